@@ -1,0 +1,44 @@
+// Small helpers shared by the CLI commands.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace tiermoe {
+
+struct CommonOptions {
+  std::string model_dir;
+  std::string kv = "f32";
+  int threads = 0;
+  bool json = false;
+};
+
+std::string read_text_file(const std::string& path);  // throws InputError naming the path
+// "1,2,3", "1 2 3", or a JSON list; `what` names the flag in errors.
+std::vector<int32_t> parse_id_list(const std::string& text, const std::string& what);
+std::vector<int> parse_int_list(const std::string& text, const std::string& what);
+
+// A one-line progress bar on stderr, redrawn at most a few times a second.
+class ProgressBar {
+ public:
+  ProgressBar(std::string label, size_t total);
+  void update(size_t done, const std::string& suffix = "");
+  void finish();
+
+ private:
+  std::string label_;
+  size_t total_;
+  double last_draw_ = -1;
+  bool tty_;
+};
+
+int run_generate(const CommonOptions& c, const std::string& prompt, const std::string& prompt_ids, int max_tokens,
+                 float temperature, float top_p, int top_k, long long seed, bool greedy,
+                 const std::vector<std::string>& stop);
+int run_tokenize(const CommonOptions& c, const std::string& text, const std::string& file);
+int run_score(const CommonOptions& c, const std::string& ids, const std::string& ids_file, const std::string& logits_at);
+int run_ppl(const CommonOptions& c, const std::string& file, int ctx, int windows);
+
+}  // namespace tiermoe

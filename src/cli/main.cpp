@@ -1,0 +1,98 @@
+// tiermoe command line: generate, tokenize, score, ppl.
+#include <cstdio>
+#include <exception>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/common.h"
+#include "core/check.h"
+
+using namespace tiermoe;
+
+namespace {
+
+void add_common(CLI::App* cmd, CommonOptions& c, bool json_flag = true) {
+  cmd->add_option("--model", c.model_dir, "Hugging Face model directory")->required();
+  cmd->add_option("--kv", c.kv, "KV cache type: f32 (exact reference) or bf16")->capture_default_str();
+  cmd->add_option("--threads", c.threads, "CPU threads (default: all cores)");
+  if (json_flag) cmd->add_flag("--json", c.json, "Machine-readable output");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"tiermoe: Mixture-of-Experts inference engine"};
+  app.require_subcommand(1);
+  CommonOptions c;
+
+  auto* gen = app.add_subcommand("generate", "Generate text from a prompt, streamed to stdout");
+  add_common(gen, c);
+  std::string prompt, prompt_ids;
+  int max_tokens = 128, top_k = 40;
+  float temperature = 0.8f, top_p = 0.95f;
+  long long seed = -1;
+  bool greedy = false;
+  std::vector<std::string> stop;
+  auto* p_opt = gen->add_option("-p,--prompt", prompt, "Prompt text");
+  auto* ids_opt = gen->add_option("--prompt-ids", prompt_ids, "Prompt as token ids: 1,2,3");
+  p_opt->excludes(ids_opt);
+  gen->add_option("--max-tokens", max_tokens, "Tokens to generate at most")->capture_default_str();
+  gen->add_option("--temperature", temperature, "Sampling temperature (0: greedy)")->capture_default_str();
+  gen->add_option("--top-p", top_p, "Nucleus sampling mass")->capture_default_str();
+  gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0: all)")->capture_default_str();
+  gen->add_option("--seed", seed, "Random seed (default: from the clock)");
+  gen->add_flag("--greedy", greedy, "Greedy decoding (same as --temperature 0)");
+  gen->add_option("--stop", stop, "Stop before this string (repeatable)");
+
+  auto* tok = app.add_subcommand("tokenize", "Print the token ids of a text");
+  tok->add_option("--model", c.model_dir, "Hugging Face model directory")->required();
+  tok->add_flag("--json", c.json, "Machine-readable output");
+  std::string text, file;
+  auto* t_opt = tok->add_option("--text", text, "Text to tokenize");
+  auto* f_opt = tok->add_option("--file", file, "File to tokenize");
+  t_opt->excludes(f_opt);
+
+  auto* score = app.add_subcommand("score", "Negative log-likelihood of each token given the ones before it");
+  add_common(score, c);
+  std::string ids, ids_file, logits_at;
+  auto* i_opt = score->add_option("--ids", ids, "Token ids: 1,2,3");
+  auto* if_opt = score->add_option("--ids-file", ids_file, "File of token ids (comma/space separated or a JSON list)");
+  i_opt->excludes(if_opt);
+  score->add_option("--logits-at", logits_at, "Positions whose logits to print: 0,255");
+
+  auto* ppl = app.add_subcommand("ppl", "Perplexity of a text file over non-overlapping windows");
+  add_common(ppl, c);
+  int ctx = 2048, windows = 0;
+  ppl->add_option("--file", file, "Text file")->required();
+  ppl->add_option("--ctx", ctx, "Tokens per window")->capture_default_str();
+  ppl->add_option("--windows", windows, "Windows to evaluate (default: all)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (*gen) {
+      if (prompt.empty() && prompt_ids.empty()) throw InputError("generate: give -p TEXT or --prompt-ids IDS");
+      return run_generate(c, prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, greedy, stop);
+    }
+    if (*tok) {
+      if (!*t_opt && file.empty()) throw InputError("tokenize: give --text TEXT or --file FILE");
+      return run_tokenize(c, text, file);
+    }
+    if (*score) {
+      if (ids.empty() && ids_file.empty()) throw InputError("score: give --ids IDS or --ids-file FILE");
+      return run_score(c, ids, ids_file, logits_at);
+    }
+    if (*ppl) return run_ppl(c, file, ctx, windows);
+  } catch (const InputError& e) {
+    std::fprintf(stderr, "tiermoe: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tiermoe: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

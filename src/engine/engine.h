@@ -1,0 +1,69 @@
+// The one engine API that the CLI, the server and the benchmarks use: a model, its tokenizer
+// and a backend; generation with sampling and stop conditions; scoring.
+#pragma once
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "engine/sampler.h"
+#include "model/weights.h"
+#include "tokenizer/tokenizer.h"
+
+namespace tiermoe {
+
+struct EngineOptions {
+  std::string model_dir;
+  std::string kv = "f32";  // KV cache type
+  int threads = 0;         // 0: all cores (or TIERMOE_THREADS)
+};
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int max_tokens = 128;
+  std::vector<std::string> stop;  // generation ends before the first occurrence of any
+  bool stop_at_eos = true;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> ids;   // generated tokens only
+  std::string text;           // their text, cut before a stop string
+  std::string finish_reason;  // "stop" (EOS or stop string) or "length"
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+struct ScoreResult {
+  std::vector<float> nll;  // nll[i] = -log p(ids[i+1] | ids[0..i]), size T-1
+  double mean_nll = 0;
+  std::vector<std::vector<float>> logits;  // at the requested positions, in order
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& opts);  // throws InputError for a bad model directory
+
+  const ModelConfig& config() const { return weights_->cfg; }
+  bool has_tokenizer() const { return tokenizer_.has_value(); }
+  const Tokenizer& tokenizer() const;  // throws InputError when the model has no tokenizer.json
+  Backend& backend() { return *backend_; }
+
+  // on_text receives each new piece of text as it becomes final (whole UTF-8, stop strings
+  // held back until they cannot match).
+  GenerateResult generate(const GenerateRequest& req, const std::function<void(std::string_view)>& on_text = {});
+
+  ScoreResult score(std::span<const int32_t> ids, std::span<const int> logits_at = {});
+
+ private:
+  void check_ids(std::span<const int32_t> ids, const char* what) const;
+
+  std::unique_ptr<ModelWeights> weights_;
+  std::optional<Tokenizer> tokenizer_;
+  std::unique_ptr<Backend> backend_;
+  std::string model_dir_;
+};
+
+}  // namespace tiermoe
