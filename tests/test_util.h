@@ -1,6 +1,9 @@
 // Shared helpers of the test suite.
 #pragma once
+#include <unistd.h>
+
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -35,5 +38,56 @@ inline double rel_l2(const float* a, const float* b, size_t n) {
   }
   return std::sqrt(num / (den > 0 ? den : 1));
 }
+
+}  // namespace tiermoe::test
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace tiermoe::test {
+
+struct FakeTensor {
+  std::string name;
+  std::string dtype;  // "BF16", "F32", ...
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;  // empty: zeros of the right size
+};
+
+inline size_t fake_elem_size(const std::string& dtype) {
+  return dtype == "F32" || dtype == "I32" ? 4 : dtype == "I64" || dtype == "F64" ? 8 : dtype == "U8" ? 1 : 2;
+}
+
+// Writes a well-formed safetensors file; `mutate_header` may corrupt the header JSON first.
+inline void write_safetensors(const std::string& path, const std::vector<FakeTensor>& tensors,
+                              const std::function<void(nlohmann::json&)>& mutate_header = {}) {
+  nlohmann::json h = nlohmann::json::object();
+  std::vector<uint8_t> data;
+  for (const auto& t : tensors) {
+    size_t n = fake_elem_size(t.dtype);
+    for (int64_t d : t.shape) n *= size_t(d);
+    std::vector<uint8_t> bytes = t.bytes.empty() ? std::vector<uint8_t>(n, 0) : t.bytes;
+    h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + bytes.size()}}};
+    data.insert(data.end(), bytes.begin(), bytes.end());
+  }
+  if (mutate_header) mutate_header(h);
+  const std::string hs = h.dump();
+  const uint64_t len = hs.size();
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out.write(hs.data(), std::streamsize(hs.size()));
+  out.write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size()));
+}
+
+// A fresh empty directory under the system temp dir.
+inline std::string temp_dir(const std::string& name) {
+  auto p = std::filesystem::temp_directory_path() / ("tiermoe_test_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(p);
+  std::filesystem::create_directories(p);
+  return p.string();
+}
+
+inline void write_text(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
 
 }  // namespace tiermoe::test

@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/check.h"
+
 #include "cli/common.h"
 
 namespace tiermoe {

@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/check.h"
+
 #include "cli/common.h"
 #include "tokenizer/tokenizer.h"
 

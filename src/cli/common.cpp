@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/check.h"
+
 namespace tiermoe {
 
 std::string read_text_file(const std::string& path) {

@@ -40,5 +40,6 @@ int run_generate(const CommonOptions& c, const std::string& prompt, const std::s
 int run_tokenize(const CommonOptions& c, const std::string& text, const std::string& file);
 int run_score(const CommonOptions& c, const std::string& ids, const std::string& ids_file, const std::string& logits_at);
 int run_ppl(const CommonOptions& c, const std::string& file, int ctx, int windows);
+int run_bench(const CommonOptions& c, int prompt_tokens, int gen_tokens, int repeats);
 
 }  // namespace tiermoe

@@ -1,4 +1,4 @@
-// tiermoe command line: generate, tokenize, score, ppl.
+// tiermoe command line: generate, tokenize, score, ppl, bench.
 #include <cstdio>
 #include <exception>
 
@@ -67,6 +67,13 @@ int main(int argc, char** argv) {
   ppl->add_option("--ctx", ctx, "Tokens per window")->capture_default_str();
   ppl->add_option("--windows", windows, "Windows to evaluate (default: all)");
 
+  auto* bench = app.add_subcommand("bench", "Prefill and decode speed of one stream (medians over repeats)");
+  add_common(bench, c);
+  int prompt_tokens = 512, gen_tokens = 128, repeats = 5;
+  bench->add_option("--prompt-tokens", prompt_tokens, "Prompt length (random ids)")->capture_default_str();
+  bench->add_option("--gen", gen_tokens, "Tokens decoded per repeat")->capture_default_str();
+  bench->add_option("--repeats", repeats, "Timed repeats (after one warm-up)")->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -87,6 +94,7 @@ int main(int argc, char** argv) {
       return run_score(c, ids, ids_file, logits_at);
     }
     if (*ppl) return run_ppl(c, file, ctx, windows);
+    if (*bench) return run_bench(c, prompt_tokens, gen_tokens, repeats);
   } catch (const InputError& e) {
     std::fprintf(stderr, "tiermoe: error: %s\n", e.what());
     return 2;

@@ -1,0 +1,133 @@
+// Corrupt or truncated safetensors files are refused with an error naming the file and tensor.
+#include <gtest/gtest.h>
+
+#include "core/check.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+namespace tiermoe {
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Safetensors, ReadsTensorsAndShapes) {
+  const std::string dir = test::temp_dir("st_ok");
+  std::vector<uint8_t> bytes(2 * 3 * 4);
+  float vals[6] = {1, 2, 3, 4, 5, 6};
+  std::memcpy(bytes.data(), vals, sizeof vals);
+  test::write_safetensors(dir + "/a.safetensors", {{"w", "F32", {2, 3}, bytes}, {"b", "BF16", {4}, {}}});
+  SafetensorsFile f(dir + "/a.safetensors");
+  ASSERT_EQ(f.tensors().size(), 2u);
+  const TensorView& w = f.tensors().at("w");
+  EXPECT_EQ(w.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(static_cast<const float*>(w.data)[5], 6.f);
+}
+
+struct BadFileCase {
+  const char* name;
+  std::function<void(const std::string& path)> write;
+  const char* expected_in_message;
+};
+
+class BadSafetensors : public ::testing::TestWithParam<BadFileCase> {};
+
+TEST_P(BadSafetensors, RefusedWithClearError) {
+  const std::string path = test::temp_dir(GetParam().name) + "/bad.safetensors";
+  GetParam().write(path);
+  const std::string msg = error_of([&] { SafetensorsFile f(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find(GetParam().expected_in_message), std::string::npos) << msg;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, BadSafetensors,
+    ::testing::Values(
+        BadFileCase{"tiny", [](const std::string& p) { test::write_text(p, "abc"); }, "no header length"},
+        BadFileCase{"header_past_end",
+                    [](const std::string& p) {
+                      uint64_t len = 1000;
+                      std::string s(reinterpret_cast<const char*>(&len), 8);
+                      test::write_text(p, s + "{}");
+                    },
+                    "runs past the end"},
+        BadFileCase{"not_json",
+                    [](const std::string& p) {
+                      uint64_t len = 5;
+                      test::write_text(p, std::string(reinterpret_cast<const char*>(&len), 8) + "{oops");
+                    },
+                    "not valid JSON"},
+        BadFileCase{"truncated_data",
+                    [](const std::string& p) {
+                      test::write_safetensors(p, {{"w", "F32", {4, 4}, {}}});
+                      std::filesystem::resize_file(p, std::filesystem::file_size(p) - 10);
+                    },
+                    "tensor 'w'"},
+        BadFileCase{"overlap",
+                    [](const std::string& p) {
+                      test::write_safetensors(p, {{"a", "F32", {4}, {}}, {"b", "F32", {4}, {}}},
+                                              [](nlohmann::json& h) { h["b"]["data_offsets"] = {8, 24}; });
+                    },
+                    "overlap"},
+        BadFileCase{"size_mismatch",
+                    [](const std::string& p) {
+                      test::write_safetensors(p, {{"a", "F32", {4}, {}}},
+                                              [](nlohmann::json& h) { h["a"]["shape"] = {5}; });
+                    },
+                    "needs 20"},
+        BadFileCase{"bad_dtype",
+                    [](const std::string& p) { test::write_safetensors(p, {{"a", "F64", {2}, {}}}); },
+                    "unsupported dtype"},
+        BadFileCase{"offsets_reversed",
+                    [](const std::string& p) {
+                      test::write_safetensors(p, {{"a", "F32", {0}, {}}},
+                                              [](nlohmann::json& h) { h["a"]["data_offsets"] = {4, 0}; });
+                    },
+                    "begin after"},
+        BadFileCase{"negative_dim",
+                    [](const std::string& p) {
+                      test::write_safetensors(p, {{"a", "F32", {1}, {}}},
+                                              [](nlohmann::json& h) { h["a"]["shape"] = {-1}; });
+                    },
+                    "negative"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(Safetensors, MissingFileNamesPath) {
+  const std::string msg = error_of([] { SafetensorsFile f("/nonexistent/x.safetensors"); });
+  EXPECT_NE(msg.find("/nonexistent/x.safetensors"), std::string::npos) << msg;
+}
+
+TEST(Checkpoint, IndexNamingAbsentTensorIsRefused) {
+  const std::string dir = test::temp_dir("index_bad");
+  test::write_safetensors(dir + "/model-1.safetensors", {{"a", "F32", {2}, {}}});
+  test::write_text(dir + "/model.safetensors.index.json", R"({"weight_map": {"a": "model-1.safetensors", "b": "model-1.safetensors"}})");
+  const std::string msg = error_of([&] { Checkpoint::open_dir(dir); });
+  EXPECT_NE(msg.find("'b'"), std::string::npos) << msg;
+}
+
+TEST(Checkpoint, ShardTensorMissingFromIndexIsRefused) {
+  const std::string dir = test::temp_dir("index_extra");
+  test::write_safetensors(dir + "/model-1.safetensors", {{"a", "F32", {2}, {}}, {"z", "F32", {2}, {}}});
+  test::write_text(dir + "/model.safetensors.index.json", R"({"weight_map": {"a": "model-1.safetensors"}})");
+  const std::string msg = error_of([&] { Checkpoint::open_dir(dir); });
+  EXPECT_NE(msg.find("'z'"), std::string::npos) << msg;
+}
+
+TEST(Checkpoint, ShardsAreJoined) {
+  const std::string dir = test::temp_dir("index_ok");
+  test::write_safetensors(dir + "/m1.safetensors", {{"a", "F32", {2}, {}}});
+  test::write_safetensors(dir + "/m2.safetensors", {{"b", "BF16", {3}, {}}});
+  test::write_text(dir + "/model.safetensors.index.json", R"({"weight_map": {"a": "m1.safetensors", "b": "m2.safetensors"}})");
+  Checkpoint c = Checkpoint::open_dir(dir);
+  EXPECT_TRUE(c.has("a"));
+  EXPECT_EQ(c.get("b").shape, (std::vector<int64_t>{3}));
+}
+
+}  // namespace
+}  // namespace tiermoe
