@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what tiermoe needs to build and test on Debian 12, from Debian packages only.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config nlohmann-json3-dev libpcre2-dev libcli11-dev
+pkgs=(build-essential cmake pkg-config nlohmann-json3-dev libpcre2-dev libicu-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev python3)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -91,3 +91,10 @@ inline std::string temp_dir(const std::string& name) {
 inline void write_text(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
 
 }  // namespace tiermoe::test
+
+namespace tiermoe::test {
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+}  // namespace tiermoe::test

@@ -34,6 +34,7 @@ int run_generate(const CommonOptions& c, const std::string& prompt, const std::s
     std::fflush(stdout);
   });
   std::fputc('\n', stdout);
+  std::fflush(stdout);
   const double tps = r.decode_seconds > 0 ? double(r.ids.size()) / r.decode_seconds : 0;
   std::fprintf(stderr, "[%zu prompt tokens in %.3f s, %zu generated at %.1f tokens/s, finish: %s]\n", req.prompt.size(),
                r.prefill_seconds, r.ids.size(), tps, r.finish_reason.c_str());

@@ -15,6 +15,8 @@ namespace {
 // Workers spin briefly before sleeping: a decode step issues dozens of short loops, and a
 // condition-variable wake-up per loop would cost more than the loop itself.
 class ThreadPool {
+  static constexpr int kSpins = 20000;  // ~1 ms of pausing, then as long again of yielding
+
  public:
   explicit ThreadPool(int n) : n_threads_(std::max(1, n)) {
     for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker(i); });
@@ -50,7 +52,10 @@ class ThreadPool {
     }
     cv_.notify_all();
     run_chunk(0);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    // Yield once spinning has gone on long enough that a worker has probably lost its core.
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+      if (spin < kSpins / 2) _mm_pause(); else std::this_thread::yield();
+    }
   }
 
  private:
@@ -66,8 +71,8 @@ class ThreadPool {
     uint64_t seen = 0;
     for (;;) {
       uint64_t g = generation_.load(std::memory_order_acquire);
-      for (int spin = 0; g == seen && spin < 200000; ++spin) {
-        _mm_pause();
+      for (int spin = 0; g == seen && spin < kSpins; ++spin) {
+        if (spin < kSpins / 2) _mm_pause(); else std::this_thread::yield();
         g = generation_.load(std::memory_order_acquire);
       }
       if (g == seen) {

@@ -36,6 +36,7 @@ class Tokenizer {
   struct Impl;
 
  private:
+  friend class StreamDecoder;  // decodes windows of ids through Impl
   explicit Tokenizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
@@ -53,6 +54,10 @@ class StreamDecoder {
   bool skip_special_;
   std::vector<int32_t> ids_;
   size_t emitted_ = 0;  // bytes of decode(ids_) already returned
+  // ids_ is a window: its first context_ ids were fully returned in an earlier step and are kept
+  // only so that the decoder sees their effect on what follows (joins, stripped spaces).
+  size_t context_ = 0;
+  bool continuation_ = false;  // ids before the window gave the decoder input
 };
 
 }  // namespace tiermoe
