@@ -20,14 +20,29 @@ class Backend {
   // A fresh KV cache for one sequence of this model.
   virtual std::unique_ptr<KvCache> new_cache() const = 0;
 
-  // Runs tokens[T] at positions cache.length() ... cache.length()+T-1, appending their keys
-  // and values to `cache`, and writes logits[n_logits, V] for the last n_logits tokens.
-  virtual void forward(std::span<const int32_t> tokens, KvCache& cache, int n_logits, float* logits) = 0;
+  // One sequence's share of a batched step: its new tokens, its cache, and how many of the
+  // last of those tokens need logits (1 when decoding, all when scoring, 0 mid-prompt).
+  struct SeqStep {
+    std::span<const int32_t> tokens;
+    KvCache* cache = nullptr;
+    int n_logits = 0;
+  };
+
+  // Runs every step's tokens at positions cache->length() ... and appends their keys and
+  // values to the step's cache; writes logits[sum of n_logits, V], steps in order. Each cache
+  // appears at most once. Steps share the weight reads: this is continuous batching.
+  virtual void forward_batch(std::span<const SeqStep> steps, float* logits) = 0;
+
+  // One sequence: tokens[T], logits[n_logits, V] for its last n_logits tokens.
+  void forward(std::span<const int32_t> tokens, KvCache& cache, int n_logits, float* logits) {
+    const SeqStep step{tokens, &cache, n_logits};
+    forward_batch(std::span(&step, 1), logits);
+  }
 };
 
 struct CpuBackendOptions {
   KvDType kv_dtype = KvDType::F32;
-  int max_chunk = 512;  // prompt tokens per forward step (bounds activation memory)
+  int max_chunk = 512;  // tokens per pass through the layers (bounds activation memory)
 };
 
 std::unique_ptr<Backend> make_cpu_backend(const ModelWeights& weights, const CpuBackendOptions& opts = {});

@@ -26,23 +26,45 @@ class CpuBackend final : public Backend {
     return make_exact_kv_cache({cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim}, opts_.kv_dtype);
   }
 
-  void forward(std::span<const int32_t> tokens, KvCache& cache, int n_logits, float* logits) override {
-    const int total = int(tokens.size());
-    CHECK(n_logits >= 0 && n_logits <= total);
-    for (int start = 0; start < total; start += opts_.max_chunk) {
-      const int T = std::min(opts_.max_chunk, total - start);
-      const int first_logit = total - n_logits;  // global index of the first token needing logits
-      const int chunk_logits = std::max(0, start + T - std::max(first_logit, start));
-      float* out = chunk_logits ? logits + size_t(std::max(first_logit, start) - first_logit) * cfg_.vocab_size : nullptr;
-      forward_chunk(tokens.subspan(start, T), cache, chunk_logits, out);
+  void forward_batch(std::span<const SeqStep> steps, float* logits) override {
+    // Cut the steps into passes of at most max_chunk tokens; a long prompt spans several
+    // passes, one piece per pass, so each cache sees its tokens in order.
+    std::vector<SeqStep> pass;
+    int pass_tokens = 0;
+    size_t logit_rows = 0;
+    auto flush = [&] {
+      if (pass.empty()) return;
+      forward_pass(pass, logits ? logits + logit_rows * size_t(cfg_.vocab_size) : nullptr);
+      for (const SeqStep& p : pass) logit_rows += size_t(p.n_logits);
+      pass.clear();
+      pass_tokens = 0;
+    };
+    for (const SeqStep& s : steps) {
+      const int n = int(s.tokens.size());
+      CHECK(s.cache != nullptr && s.n_logits >= 0 && s.n_logits <= n);
+      for (int start = 0; start < n;) {
+        if (pass_tokens == opts_.max_chunk) flush();
+        const int take = std::min(n - start, opts_.max_chunk - pass_tokens);
+        const int first_logit = n - s.n_logits;  // index of this step's first token needing logits
+        const int piece_logits = std::max(0, start + take - std::max(first_logit, start));
+        pass.push_back({s.tokens.subspan(start, take), s.cache, piece_logits});
+        pass_tokens += take;
+        start += take;
+        if (start < n) flush();  // the rest of this sequence must see this piece's KV
+      }
     }
+    flush();
   }
 
  private:
-  void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, int n_logits, float* logits) {
-    const int T = int(tokens.size()), D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads,
-              Dh = cfg_.head_dim;
-    const int pos0 = cache.length();
+  // One pass through the layers for pieces of distinct sequences, tokens concatenated.
+  void forward_pass(const std::vector<SeqStep>& pieces, float* logits) {
+    const int D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
+    int T = 0, n_logits = 0;
+    for (const SeqStep& p : pieces) {
+      T += int(p.tokens.size());
+      n_logits += p.n_logits;
+    }
     x_.resize(size_t(T) * D);     // [T, D] residual stream
     h_.resize(size_t(T) * D);     // [T, D] normed input of a block
     q_.resize(size_t(T) * H * Dh);    // [T, H, Dh]
@@ -50,18 +72,20 @@ class CpuBackend final : public Backend {
     v_.resize(size_t(T) * Hkv * Dh);  // [T, Hkv, Dh]
     att_.resize(size_t(T) * H * Dh);  // [T, H, Dh]
     pos_.resize(T);
-    for (int t = 0; t < T; ++t) pos_[t] = pos0 + t;
-
-    for (int t = 0; t < T; ++t) {
-      const int32_t id = tokens[t];
-      CHECK(id >= 0 && id < cfg_.vocab_size);
-      for (int d = 0; d < D; ++d) x_[size_t(t) * D + d] = load_f32(w_.embed.w, w_.embed.dtype, size_t(id) * D + d);
+    for (int t = 0; const SeqStep& p : pieces) {
+      const int pos0 = p.cache->length();
+      for (size_t i = 0; i < p.tokens.size(); ++i, ++t) {
+        const int32_t id = p.tokens[i];
+        CHECK(id >= 0 && id < cfg_.vocab_size);
+        pos_[t] = pos0 + int(i);
+        for (int d = 0; d < D; ++d) x_[size_t(t) * D + d] = load_f32(w_.embed.w, w_.embed.dtype, size_t(id) * D + d);
+      }
     }
 
     for (int l = 0; l < cfg_.num_layers; ++l) {
       const LayerWeights& L = w_.layers[l];
       rmsnorm(h_.data(), x_.data(), L.attn_norm.data(), T, D, cfg_.rms_norm_eps);
-      attention_block(L, l, T, cache);
+      attention_block(L, l, T, pieces);
       matmul_add(x_.data(), att_.data(), L.o.w, L.o.dtype, T, D, H * Dh);  // x += attn @ Wo^T
 
       rmsnorm(h_.data(), x_.data(), L.ffn_norm.data(), T, D, cfg_.rms_norm_eps);
@@ -72,13 +96,18 @@ class CpuBackend final : public Backend {
     }
 
     if (n_logits > 0) {
-      const float* last = x_.data() + size_t(T - n_logits) * D;
-      rmsnorm(h_.data(), last, w_.final_norm.data(), n_logits, D, cfg_.rms_norm_eps);
+      // The rows that need logits: the last n_logits of each piece.
+      for (int t = 0, row = 0; const SeqStep& p : pieces) {
+        t += int(p.tokens.size());
+        for (int i = t - p.n_logits; i < t; ++i, ++row)
+          std::copy_n(x_.data() + size_t(i) * D, D, h_.data() + size_t(row) * D);
+      }
+      rmsnorm(h_.data(), h_.data(), w_.final_norm.data(), n_logits, D, cfg_.rms_norm_eps);
       linear(logits, h_.data(), w_.lm_head, n_logits);  // [n_logits, V]
     }
   }
 
-  void attention_block(const LayerWeights& L, int layer, int T, KvCache& cache) {
+  void attention_block(const LayerWeights& L, int layer, int T, const std::vector<SeqStep>& pieces) {
     const int H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
     linear(q_.data(), h_.data(), L.q, T);
     linear(k_.data(), h_.data(), L.k, T);
@@ -100,10 +129,14 @@ class CpuBackend final : public Backend {
       rmsnorm(q_.data(), q_.data(), L.q_norm.data(), T * H, Dh, cfg_.rms_norm_eps);
       rmsnorm(k_.data(), k_.data(), L.k_norm.data(), T * Hkv, Dh, cfg_.rms_norm_eps);
     }
-    rope(q_.data(), pos_.data(), T, H, Dh, cfg_.rope_theta);
+    rope(q_.data(), pos_.data(), T, H, Dh, cfg_.rope_theta);  // positions per token: pieces differ
     rope(k_.data(), pos_.data(), T, Hkv, Dh, cfg_.rope_theta);
-    cache.append(layer, k_.data(), v_.data(), T);
-    cache.attend(layer, q_.data(), T, att_.data());
+    for (size_t t = 0; const SeqStep& p : pieces) {
+      const int n = int(p.tokens.size());
+      p.cache->append(layer, k_.data() + t * Hkv * Dh, v_.data() + t * Hkv * Dh, n);
+      p.cache->attend(layer, q_.data() + t * H * Dh, n, att_.data() + t * H * Dh);
+      t += size_t(n);
+    }
   }
 
   // out[T, D] += down(silu(gate(x)) * up(x)), scaled per row by scale[T] when given.

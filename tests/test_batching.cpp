@@ -1,0 +1,51 @@
+// A batched step (several sequences, prompts and decodes mixed, split into passes) must give
+// each sequence the logits it gets alone.
+#include <gtest/gtest.h>
+
+#include "backend/backend.h"
+#include "test_util.h"
+
+namespace tiermoe {
+namespace {
+
+std::vector<int32_t> some_ids(int n, int salt) {
+  std::vector<int32_t> v(n);
+  for (int i = 0; i < n; ++i) v[i] = (i * 131 + salt * 977 + 7) % 8000 + 1;
+  return v;
+}
+
+TEST(Batching, MixedBatchEqualsSequencesAlone) {
+  auto w = load_weights(test::tinymix_dir());
+  const int V = w->cfg.vocab_size;
+  for (int max_chunk : {512, 5}) {
+    CpuBackendOptions opts;
+    opts.max_chunk = max_chunk;
+    auto backend = make_cpu_backend(*w, opts);
+    // Three sequences: A has a 9-token history and decodes 1; B prefills 13 (all logits);
+    // C prefills 4 (last logit).
+    auto hist = some_ids(9, 1), a_next = some_ids(1, 2), b = some_ids(13, 3), c = some_ids(4, 4);
+    auto a_cache = backend->new_cache(), b_cache = backend->new_cache(), c_cache = backend->new_cache();
+    backend->forward(hist, *a_cache, 0, nullptr);
+    const Backend::SeqStep steps[] = {{a_next, a_cache.get(), 1}, {b, b_cache.get(), 13}, {c, c_cache.get(), 1}};
+    std::vector<float> batched(size_t(15) * V);
+    backend->forward_batch(steps, batched.data());
+
+    auto solo = make_cpu_backend(*w);
+    std::vector<float> ref_a(V), ref_b(size_t(13) * V), ref_c(V);
+    auto a2 = solo->new_cache(), b2 = solo->new_cache(), c2 = solo->new_cache();
+    solo->forward(hist, *a2, 0, nullptr);
+    solo->forward(a_next, *a2, 1, ref_a.data());
+    solo->forward(b, *b2, 13, ref_b.data());
+    solo->forward(c, *c2, 1, ref_c.data());
+    EXPECT_LT(test::rel_l2(batched.data(), ref_a.data(), V), 1e-5) << "max_chunk " << max_chunk;
+    for (int t = 0; t < 13; ++t)
+      EXPECT_LT(test::rel_l2(&batched[size_t(1 + t) * V], &ref_b[size_t(t) * V], V), 1e-5) << "B row " << t;
+    EXPECT_LT(test::rel_l2(&batched[size_t(14) * V], ref_c.data(), V), 1e-5);
+    EXPECT_EQ(a_cache->length(), 10);
+    EXPECT_EQ(b_cache->length(), 13);
+    EXPECT_EQ(c_cache->length(), 4);
+  }
+}
+
+}  // namespace
+}  // namespace tiermoe
