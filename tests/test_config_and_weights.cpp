@@ -93,6 +93,7 @@ struct BadConfigCase {
   std::function<void(nlohmann::json&)> mutate;
   const char* expected;
 };
+void PrintTo(const BadConfigCase& c, std::ostream* os) { *os << c.name; }
 class BadConfig : public ::testing::TestWithParam<BadConfigCase> {};
 
 TEST_P(BadConfig, NamesTheField) {

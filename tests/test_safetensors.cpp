@@ -36,6 +36,8 @@ struct BadFileCase {
   const char* expected_in_message;
 };
 
+void PrintTo(const BadFileCase& c, std::ostream* os) { *os << c.name; }
+
 class BadSafetensors : public ::testing::TestWithParam<BadFileCase> {};
 
 TEST_P(BadSafetensors, RefusedWithClearError) {
