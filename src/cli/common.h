@@ -34,6 +34,14 @@ class ProgressBar {
   bool tty_;
 };
 
+struct ServeOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string model_name;  // default: the model directory's name
+  int max_batch = 64, max_queue = 128, step_tokens = 256;
+  int kv_memory_mb = 1024;
+};
+
 int run_generate(const CommonOptions& c, const std::string& prompt, const std::string& prompt_ids, int max_tokens,
                  float temperature, float top_p, int top_k, long long seed, bool greedy,
                  const std::vector<std::string>& stop);
@@ -41,5 +49,7 @@ int run_tokenize(const CommonOptions& c, const std::string& text, const std::str
 int run_score(const CommonOptions& c, const std::string& ids, const std::string& ids_file, const std::string& logits_at);
 int run_ppl(const CommonOptions& c, const std::string& file, int ctx, int windows);
 int run_bench(const CommonOptions& c, int prompt_tokens, int gen_tokens, int repeats);
+
+int run_serve(const CommonOptions& c, const ServeOptions& s);
 
 }  // namespace tiermoe

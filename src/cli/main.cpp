@@ -74,6 +74,17 @@ int main(int argc, char** argv) {
   bench->add_option("--gen", gen_tokens, "Tokens decoded per repeat")->capture_default_str();
   bench->add_option("--repeats", repeats, "Timed repeats (after one warm-up)")->capture_default_str();
 
+  auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
+  add_common(serve, c, false);
+  ServeOptions so;
+  serve->add_option("--host", so.host, "Address to listen on")->capture_default_str();
+  serve->add_option("--port", so.port, "Port (0: any free port, printed at start)")->capture_default_str();
+  serve->add_option("--served-model-name", so.model_name, "Model id for clients (default: the directory's name)");
+  serve->add_option("--max-batch", so.max_batch, "Sequences decoded together at most")->capture_default_str();
+  serve->add_option("--max-queue", so.max_queue, "Waiting requests at most (beyond: 429)")->capture_default_str();
+  serve->add_option("--step-tokens", so.step_tokens, "Tokens per batched step (decodes + prefill chunks)")->capture_default_str();
+  serve->add_option("--kv-memory-mb", so.kv_memory_mb, "KV cache memory admission may reserve")->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -94,6 +105,7 @@ int main(int argc, char** argv) {
       return run_score(c, ids, ids_file, logits_at);
     }
     if (*ppl) return run_ppl(c, file, ctx, windows);
+    if (*serve) return run_serve(c, so);
     if (*bench) return run_bench(c, prompt_tokens, gen_tokens, repeats);
   } catch (const InputError& e) {
     std::fprintf(stderr, "tiermoe: error: %s\n", e.what());

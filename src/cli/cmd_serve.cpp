@@ -1,0 +1,62 @@
+// tiermoe serve: the OpenAI-compatible HTTP server. SIGINT/SIGTERM stop it cleanly: a signal
+// thread (the only one that receives them) stops the listener; the scheduler then drains.
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <pthread.h>
+#include <thread>
+
+#include "cli/common.h"
+#include "core/check.h"
+#include "server/http_server.h"
+
+namespace tiermoe {
+
+int run_serve(const CommonOptions& c, const ServeOptions& s) {
+  // Block the stop signals in every thread created from here on; one thread waits for them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);  // a client that left must not kill the server
+
+  Engine engine({c.model_dir, c.kv, c.threads});
+  ServerOptions opts;
+  opts.host = s.host;
+  opts.port = s.port;
+  opts.model_dir = c.model_dir;
+  opts.model_name = s.model_name.empty() ? std::filesystem::path(c.model_dir).lexically_normal().filename().string()
+                                         : s.model_name;
+  if (opts.model_name.empty()) opts.model_name = std::filesystem::path(c.model_dir).parent_path().filename().string();
+  if (s.max_batch < 1) throw InputError("--max-batch must be >= 1");
+  if (s.kv_memory_mb < 1) throw InputError("--kv-memory-mb must be >= 1");
+  opts.scheduler.max_batch = s.max_batch;
+  opts.scheduler.max_queue = s.max_queue;
+  opts.scheduler.step_tokens = s.step_tokens;
+  opts.scheduler.kv_budget_bytes = size_t(s.kv_memory_mb) << 20;
+  HttpServer server(engine, opts);
+
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    std::fprintf(stderr, "tiermoe serve: signal %d, stopping\n", sig);
+    server.stop();
+  });
+  try {
+    server.run([&](int port) {
+      std::printf("tiermoe serve: model '%s' listening on http://%s:%d\n", opts.model_name.c_str(), opts.host.c_str(), port);
+      std::fflush(stdout);
+    });
+  } catch (...) {
+    pthread_kill(signals.native_handle(), SIGTERM);
+    signals.join();
+    throw;
+  }
+  // The listener stopped (by a signal, or it failed): make sure the signal thread ends too.
+  pthread_kill(signals.native_handle(), SIGTERM);
+  signals.join();
+  return 0;
+}
+
+}  // namespace tiermoe

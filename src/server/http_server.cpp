@@ -1,0 +1,300 @@
+#include "server/http_server.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <random>
+
+#include <httplib.h>
+
+#include "core/check.h"
+#include "server/chat_template.h"
+#include "server/openai_protocol.h"
+
+namespace tiermoe {
+namespace {
+
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr int kCompletionsDefaultMaxTokens = 16;  // OpenAI's legacy default; chat: the rest of the context
+
+std::string random_id(const char* prefix) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%s%016llx", prefix, static_cast<unsigned long long>(rng()));
+  return buf;
+}
+
+std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
+
+}  // namespace
+
+struct HttpServer::Impl {
+  Impl(Engine& e, const ServerOptions& o)
+      : engine(e), opts(o), chat_template(ChatTemplate::load(o.model_dir)), scheduler(e, o.scheduler, metrics) {}
+
+  Engine& engine;
+  ServerOptions opts;
+  ChatTemplate chat_template;
+  ServerMetrics metrics;
+  Scheduler scheduler;
+  httplib::Server http;
+
+  void send_error(httplib::Response& res, const ApiError& e) {
+    res.status = e.status;
+    if (e.status == 429) res.set_header("Retry-After", "1");
+    res.set_content(dump(error_body(e)), "application/json");
+  }
+
+  // Validates and tokenizes; builds the scheduler request.
+  SeqRequest build(const ApiRequest& r) {
+    if (!r.model.empty() && r.model != opts.model_name)
+      throw ApiError(404, "the model '" + r.model + "' does not exist; this server serves '" + opts.model_name + "'",
+                     "model", "model_not_found");
+    SeqRequest s;
+    const Tokenizer& tok = engine.tokenizer();
+    const ModelConfig& cfg = engine.config();
+    s.stop_ids = cfg.eos_token_ids;
+    s.stop = r.stop;
+    if (r.chat) {
+      std::string text;
+      try {
+        text = chat_template.render(r.messages);
+      } catch (const InputError& e) {
+        throw ApiError(400, e.what(), "messages", chat_template.family() == ChatTemplate::Family::None ||
+                                                          chat_template.family() == ChatTemplate::Family::Unknown
+                                                      ? "chat_template_unavailable"
+                                                      : "");
+      }
+      s.prompt = tok.encode(text, false);
+      const std::string eot = chat_template.end_of_turn();
+      if (!eot.empty()) {
+        if (auto id = tok.token_to_id(eot)) s.stop_ids.push_back(*id);
+        else s.stop.push_back(eot);
+      }
+    } else if (!r.prompt_ids.empty()) {
+      for (int32_t id : r.prompt_ids)
+        if (id >= cfg.vocab_size)
+          throw ApiError(400, "prompt: token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                  std::to_string(cfg.vocab_size) + ")", "prompt");
+      s.prompt = r.prompt_ids;
+    } else {
+      s.prompt = tok.encode(r.prompt, true);
+    }
+    if (s.prompt.empty()) throw ApiError(400, "prompt: empty after tokenization", "prompt");
+    const int ctx = cfg.max_position_embeddings;
+    const int n_prompt = int(s.prompt.size());
+    if (n_prompt >= ctx)
+      throw ApiError(400, "this model's maximum context length is " + std::to_string(ctx) + " tokens; the prompt has " +
+                              std::to_string(n_prompt) + " (and at least one token must be generated)",
+                     r.chat ? "messages" : "prompt", "context_length_exceeded");
+    const int64_t room = ctx - n_prompt;
+    if (r.max_tokens && *r.max_tokens > room)
+      throw ApiError(400, "max_tokens: " + std::to_string(*r.max_tokens) + " plus the prompt's " +
+                              std::to_string(n_prompt) + " tokens exceed this model's maximum context length of " +
+                              std::to_string(ctx), "max_tokens", "context_length_exceeded");
+    s.max_tokens = int(r.max_tokens ? *r.max_tokens : r.chat ? room : std::min<int64_t>(kCompletionsDefaultMaxTokens, room));
+    s.sampling.temperature = r.temperature;
+    s.sampling.top_p = r.top_p;
+    s.sampling.top_k = r.top_k;
+    s.sampling.seed = r.seed ? uint64_t(*r.seed) : std::random_device{}() * 0x9E3779B97F4A7C15ull + uint64_t(std::time(nullptr));
+    return s;
+  }
+
+  json usage(const SeqStream::Chunk& c) {
+    return {{"prompt_tokens", c.prompt_tokens},
+            {"completion_tokens", c.completion_tokens},
+            {"total_tokens", c.prompt_tokens + c.completion_tokens}};
+  }
+
+  json choice(bool chat, const std::string& text, const json& finish, bool stream, bool first) {
+    json c = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
+    if (!chat) {
+      c["text"] = text;
+    } else if (stream) {
+      json delta = json::object();
+      if (first) delta["role"] = "assistant";
+      if (!text.empty() || first) delta["content"] = text;
+      c["delta"] = delta;
+    } else {
+      c["message"] = {{"role", "assistant"}, {"content", text}};
+    }
+    return c;
+  }
+
+  void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+    const std::string endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
+    try {
+      if (req.body.size() > opts.max_body_bytes)
+        throw ApiError(413, "the body has " + std::to_string(req.body.size()) + " bytes; at most " +
+                                std::to_string(opts.max_body_bytes) + " are accepted", "", "request_too_large");
+      const ApiRequest r = parse_api_request(req.body, chat);
+      SeqRequest s = build(r);
+      std::shared_ptr<SeqStream> out;
+      try {
+        out = scheduler.submit(std::move(s));
+      } catch (const QueueFull& e) {
+        throw ApiError(429, std::string(e.what()) + "; retry later", "", "queue_full");
+      } catch (const InputError& e) {
+        throw ApiError(400, e.what());
+      }
+      const std::string id = random_id(chat ? "chatcmpl-" : "cmpl-");
+      const int64_t created = int64_t(std::time(nullptr));
+      json base = {{"id", id}, {"object", chat ? (r.stream ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+                   {"created", created}, {"model", opts.model_name}};
+      if (!r.stream) {
+        std::string text;
+        SeqStream::Chunk c;
+        while (!c.finished) {
+          c = out->take(1000ms);
+          text += c.text;
+        }
+        if (c.finish_reason == "cancelled") throw ApiError(503, "the server is shutting down");
+        if (c.finish_reason == "error") throw ApiError(500, c.error);
+        json body = base;
+        body["choices"] = json::array({choice(chat, text, c.finish_reason, false, false)});
+        body["usage"] = usage(c);
+        res.status = 200;
+        res.set_content(dump(body), "application/json");
+      } else {
+        struct State {
+          std::shared_ptr<SeqStream> out;
+          bool first = true;
+          std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
+        };
+        auto st = std::make_shared<State>(State{out});
+        const bool include_usage = r.include_usage;
+        res.status = 200;
+        res.set_header("Cache-Control", "no-cache");
+        res.set_header("X-Accel-Buffering", "no");
+        res.set_chunked_content_provider(
+            "text/event-stream",
+            [this, st, base, chat, include_usage](size_t, httplib::DataSink& sink) {
+              auto write = [&](const std::string& s) {
+                st->last_write = std::chrono::steady_clock::now();
+                if (sink.write(s.data(), s.size())) return true;
+                st->out->cancel();  // the client went away: free its sequence now
+                return false;
+              };
+              if (chat && st->first) {
+                json ev = base;
+                ev["choices"] = json::array({choice(true, "", nullptr, true, true)});
+                st->first = false;
+                return write(sse(ev));
+              }
+              const SeqStream::Chunk c = st->out->take(250ms);
+              if (!c.text.empty()) {
+                json ev = base;
+                ev["choices"] = json::array({choice(chat, c.text, nullptr, true, false)});
+                if (!write(sse(ev))) return false;
+              }
+              if (c.finished) {
+                if (c.finish_reason == "cancelled" || c.finish_reason == "error") {
+                  const ApiError e(c.finish_reason == "error" ? 500 : 503,
+                                   c.finish_reason == "error" ? c.error : "the server is shutting down");
+                  write(sse(error_body(e)));
+                } else {
+                  json ev = base;
+                  ev["choices"] = json::array({choice(chat, "", c.finish_reason, true, false)});
+                  if (!write(sse(ev))) return false;
+                  if (include_usage) {
+                    json u = base;
+                    u["choices"] = json::array();
+                    u["usage"] = usage(c);
+                    if (!write(sse(u))) return false;
+                  }
+                }
+                if (!write("data: [DONE]\n\n")) return false;
+                sink.done();
+                return true;
+              }
+              // Nothing to send for a while (queued, or a long prefill): an SSE comment keeps
+              // the connection checked, so a client that left is noticed.
+              if (std::chrono::steady_clock::now() - st->last_write > 1s) return write(": keep-alive\n\n");
+              return true;
+            },
+            [st](bool) { st->out->cancel(); });
+      }
+    } catch (const ApiError& e) {
+      send_error(res, e);
+    } catch (const InputError& e) {
+      send_error(res, ApiError(400, e.what()));
+    } catch (const std::exception& e) {
+      send_error(res, ApiError(500, std::string("internal error: ") + e.what()));
+    }
+    metrics.count_request(endpoint, res.status);
+  }
+
+  void routes() {
+    http.Post("/v1/completions", [this](const httplib::Request& q, httplib::Response& s) { handle_generate(q, s, false); });
+    http.Post("/v1/chat/completions", [this](const httplib::Request& q, httplib::Response& s) { handle_generate(q, s, true); });
+    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+      json m = {{"id", opts.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "tiermoe"},
+                {"max_model_len", engine.config().max_position_embeddings}};
+      res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
+      metrics.count_request("/v1/models", 200);
+    });
+    http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(R"({"status":"ok"})", "application/json");
+      metrics.count_request("/health", 200);
+    });
+    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics.render(), "text/plain; version=0.0.4");
+    });
+    // Every other error (unknown path, wrong method, an HTTP-level failure such as a body over
+    // the hard limit) still gets an OpenAI-style body.
+    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      std::string msg = res.status == 404 ? "no route for " + req.method + " " + req.path
+                        : res.status == 413 ? "the request body is too large"
+                                            : "the HTTP request could not be served (status " + std::to_string(res.status) + ")";
+      res.set_content(dump(error_body(ApiError(res.status, msg))), "application/json");
+    });
+    http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "internal error";
+      try {
+        std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what += std::string(": ") + e.what();
+      } catch (...) {
+      }
+      res.status = 500;
+      res.set_content(dump(error_body(ApiError(500, what))), "application/json");
+    });
+  }
+};
+
+HttpServer::HttpServer(Engine& engine, const ServerOptions& opts) {
+  engine.tokenizer();  // throws InputError when the model has no tokenizer.json
+  impl_ = std::make_unique<Impl>(engine, opts);
+  impl_->routes();
+  // One HTTP thread per connection that waits on a sequence: the running batch, the queue and
+  // a few for /metrics and requests that are refused.
+  const size_t threads = size_t(opts.scheduler.max_batch + opts.scheduler.max_queue + 16);
+  impl_->http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  impl_->http.set_payload_max_length(std::max<size_t>(opts.max_body_bytes * 4, 16 << 20));
+  impl_->http.set_read_timeout(30, 0);
+  impl_->http.set_write_timeout(30, 0);
+  impl_->http.set_tcp_nodelay(true);
+  impl_->http.set_keep_alive_max_count(1000);
+}
+
+HttpServer::~HttpServer() = default;
+
+void HttpServer::run(const std::function<void(int)>& on_listening) {
+  int port = impl_->opts.port;
+  if (port == 0) {
+    port = impl_->http.bind_to_any_port(impl_->opts.host);
+    if (port <= 0) throw InputError("cannot bind " + impl_->opts.host + " to a free port");
+  } else if (!impl_->http.bind_to_port(impl_->opts.host, port)) {
+    throw InputError("cannot bind " + impl_->opts.host + ":" + std::to_string(port) + " (in use?)");
+  }
+  if (on_listening) on_listening(port);
+  impl_->http.listen_after_bind();
+}
+
+void HttpServer::stop() { impl_->http.stop(); }
+
+}  // namespace tiermoe
