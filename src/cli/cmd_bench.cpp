@@ -1,70 +1,89 @@
-// tiermoe bench: prefill and decode speed of one stream, medians over repeats.
-#include <algorithm>
-#include <chrono>
+// tiermoe bench: prefill and decode speed of one stream, medians over repeats. On the CUDA
+// backend also the bandwidth floor: bytes a decode step must read (active weights + KV cache)
+// over the device-to-device copy bandwidth measured in the same run.
 #include <cstdio>
-#include <random>
+#include <filesystem>
 
 #include <nlohmann/json.hpp>
 
-#include "core/check.h"
-
+#include "cli/bench_core.h"
 #include "cli/common.h"
 #include "core/check.h"
 #include "core/thread_pool.h"
+#if TIERMOE_HAVE_CUDA
+#include "cuda/cuda_backend.h"
+#endif
 
 namespace tiermoe {
-namespace {
-
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, size_t(p / 100.0 * double(v.size() - 1) + 0.5));
-  return v[i];
-}
-
-}  // namespace
 
 int run_bench(const CommonOptions& c, int prompt_tokens, int gen_tokens, int repeats) {
-  if (prompt_tokens < 1 || gen_tokens < 1 || repeats < 1)
-    throw InputError("bench: --prompt-tokens, --gen and --repeats must be >= 1");
-  Engine engine({c.model_dir, c.kv, c.threads});
-  const ModelConfig& cfg = engine.config();
-  if (prompt_tokens + gen_tokens > cfg.max_position_embeddings)
-    throw InputError("bench: --prompt-tokens + --gen exceeds the model's context of " +
-                     std::to_string(cfg.max_position_embeddings));
-  std::mt19937 rng(1234);
-  std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
-  for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
+  BenchOptions b;
+  b.prompt_tokens = prompt_tokens;
+  b.gen_tokens = gen_tokens;
+  b.repeats = repeats;
+  return run_bench(c, b);
+}
 
-  using clock = std::chrono::steady_clock;
-  auto ms_since = [](clock::time_point t0) { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); };
-  std::vector<double> prefill_ms, step_ms;
-  std::vector<float> logits(size_t(cfg.vocab_size));
-  for (int r = 0; r <= repeats; ++r) {  // repeat 0 warms up
-    auto cache = engine.backend().new_cache();
-    auto t0 = clock::now();
-    engine.backend().forward(prompt, *cache, 1, logits.data());
-    const double pf = ms_since(t0);
-    std::vector<double> steps;
-    for (int i = 0; i < gen_tokens; ++i) {
-      const int32_t next = argmax(logits);
-      t0 = clock::now();
-      engine.backend().forward(std::span(&next, 1), *cache, 1, logits.data());
-      steps.push_back(ms_since(t0));
+int run_bench(const CommonOptions& c, const BenchOptions& b) {
+  const int prompt_tokens = b.prompt_tokens, gen_tokens = b.gen_tokens, repeats = b.repeats;
+  if (prompt_tokens < 1 || gen_tokens < 1 || repeats < 1)
+    throw InputError("bench: --ctx/--prompt-tokens, --gen and --repeats must be >= 1");
+  if (b.batch != 1) throw InputError("bench: only --batch 1 is implemented so far");
+  if (b.load_format != "auto" && b.load_format != "dummy")
+    throw InputError("bench: --load-format must be auto or dummy, not '" + b.load_format + "'");
+  if (b.backend != "cpu" && b.backend != "cuda")
+    throw InputError("bench: --backend must be cpu or cuda, not '" + b.backend + "'");
+
+  std::unique_ptr<Engine> engine;  // CPU path: the engine, as every other command
+  std::unique_ptr<ModelWeights> weights;
+  std::unique_ptr<Backend> own_backend;
+  ModelConfig cfg;
+  double copy_bw = 0;
+  std::string device = "cpu";
+  if (b.backend == "cpu") {
+    if (b.load_format == "dummy") throw InputError("bench: --load-format dummy needs --backend cuda");
+    if (c.model_dir.empty()) throw InputError("bench: give --model DIR");
+    engine = std::make_unique<Engine>(EngineOptions{c.model_dir, c.kv, c.threads});
+    cfg = engine->config();
+  } else {
+#if TIERMOE_HAVE_CUDA
+    if (b.load_format == "dummy") {
+      if (b.config_file.empty()) throw InputError("bench: --load-format dummy needs --config FILE");
+      cfg = parse_config(read_text_file(b.config_file), b.config_file);
+      own_backend = make_cuda_backend_dummy(cfg);
+    } else {
+      if (c.model_dir.empty()) throw InputError("bench: give --model DIR (or --config FILE --load-format dummy)");
+      weights = load_weights(c.model_dir);
+      cfg = weights->cfg;
+      own_backend = make_cuda_backend(*weights);
     }
-    if (r == 0) continue;
-    prefill_ms.push_back(pf);
-    step_ms.insert(step_ms.end(), steps.begin(), steps.end());
+    copy_bw = cuda_copy_bandwidth();
+    device = cuda_device_name();
+#else
+    throw InputError("bench: this build has no CUDA backend (nvcc was not found at configure time)");
+#endif
   }
-  const double p50 = percentile(step_ms, 50), p99 = percentile(step_ms, 99), ttft = percentile(prefill_ms, 50);
-  nlohmann::json out = {{"backend", engine.backend().name()}, {"threads", num_threads()}, {"kv", c.kv},
-                        {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens}, {"repeats", repeats},
-                        {"ttft_ms", ttft}, {"prefill_tokens_per_s", prompt_tokens / ttft * 1000.0},
-                        {"ms_per_token_p50", p50}, {"ms_per_token_p99", p99}, {"tokens_per_s", 1000.0 / p50}};
+  Backend& backend = engine ? engine->backend() : *own_backend;
+  if (prompt_tokens + gen_tokens > cfg.max_position_embeddings)
+    throw InputError("bench: --ctx + --gen exceeds the model's context of " +
+                     std::to_string(cfg.max_position_embeddings));
+  nlohmann::json out = bench_stream(backend, cfg, prompt_tokens, gen_tokens, repeats);
+  out["device"] = device;
+  out["kv"] = engine ? c.kv : "bf16";
+  const double p50 = out["ms_per_token_p50"], p99 = out["ms_per_token_p99"], ttft = out["ttft_ms"];
+  if (engine) out["threads"] = num_threads();
+  if (!b.config_file.empty()) out["config"] = std::filesystem::path(b.config_file).filename().string();
+  out["load_format"] = b.load_format;
+  if (copy_bw > 0) add_floor(out, cfg, copy_bw);
   if (c.json) {
     std::printf("%s\n", out.dump().c_str());
   } else {
     std::printf("prefill %d tokens: %.1f ms (%.0f tokens/s)   decode: %.3f ms/token p50, %.3f p99 (%.1f tokens/s)\n",
                 prompt_tokens, ttft, prompt_tokens / ttft * 1000.0, p50, p99, 1000.0 / p50);
+    if (out.contains("floor_ms"))
+      std::printf("floor %.3f ms/token (%.2f GB at %.0f GB/s copy bandwidth): %.0f%% of the floor\n",
+                  out["floor_ms"].get<double>(), out["bytes_per_token"].get<double>() / 1e9, copy_bw / 1e9,
+                  100.0 * out["fraction_of_floor"].get<double>());
   }
   return 0;
 }

@@ -49,6 +49,13 @@ int run_tokenize(const CommonOptions& c, const std::string& text, const std::str
 int run_score(const CommonOptions& c, const std::string& ids, const std::string& ids_file, const std::string& logits_at);
 int run_ppl(const CommonOptions& c, const std::string& file, int ctx, int windows);
 int run_bench(const CommonOptions& c, int prompt_tokens, int gen_tokens, int repeats);
+struct BenchOptions {
+  int prompt_tokens = 512, gen_tokens = 128, repeats = 5, batch = 1;
+  std::string backend = "cpu";       // cpu | cuda
+  std::string config_file;           // config.json for --load-format dummy
+  std::string load_format = "auto";  // auto (checkpoint) | dummy (random weights on the GPU)
+};
+int run_bench(const CommonOptions& c, const BenchOptions& b);
 
 int run_serve(const CommonOptions& c, const ServeOptions& s);
 

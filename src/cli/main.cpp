@@ -69,10 +69,16 @@ int main(int argc, char** argv) {
 
   auto* bench = app.add_subcommand("bench", "Prefill and decode speed of one stream (medians over repeats)");
   add_common(bench, c);
-  int prompt_tokens = 512, gen_tokens = 128, repeats = 5;
-  bench->add_option("--prompt-tokens", prompt_tokens, "Prompt length (random ids)")->capture_default_str();
-  bench->add_option("--gen", gen_tokens, "Tokens decoded per repeat")->capture_default_str();
-  bench->add_option("--repeats", repeats, "Timed repeats (after one warm-up)")->capture_default_str();
+  BenchOptions bo;
+  bench->get_option("--model")->required(false);
+  auto* pt_opt = bench->add_option("--prompt-tokens", bo.prompt_tokens, "Prompt length (random ids)")->capture_default_str();
+  bench->add_option("--ctx", bo.prompt_tokens, "Same as --prompt-tokens: context before decoding")->excludes(pt_opt);
+  bench->add_option("--gen", bo.gen_tokens, "Tokens decoded per repeat")->capture_default_str();
+  bench->add_option("--repeats", bo.repeats, "Timed repeats (after one warm-up)")->capture_default_str();
+  bench->add_option("--backend", bo.backend, "cpu or cuda")->capture_default_str();
+  bench->add_option("--config", bo.config_file, "config.json for --load-format dummy");
+  bench->add_option("--load-format", bo.load_format, "auto (checkpoint) or dummy (random weights on the GPU)")->capture_default_str();
+  bench->add_option("--batch", bo.batch, "Concurrent sequences (1 so far)")->capture_default_str();
 
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
   add_common(serve, c, false);
@@ -106,7 +112,7 @@ int main(int argc, char** argv) {
     }
     if (*ppl) return run_ppl(c, file, ctx, windows);
     if (*serve) return run_serve(c, so);
-    if (*bench) return run_bench(c, prompt_tokens, gen_tokens, repeats);
+    if (*bench) return run_bench(c, bo);
   } catch (const InputError& e) {
     std::fprintf(stderr, "tiermoe: error: %s\n", e.what());
     return 2;

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
+# dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
+#   scripts/gpu_check.sh [quick]        (quick: skip the large published configs)
+# Binaries: ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and carried, when the
+# machine lacks the tokenizer's libraries), else built here with CMake.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+MODE=${1:-full}
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv | tee "$OUT/gpu.txt"
+log unpack; scripts/unpack_model.sh
+C=./build-gpu/tiermoe_cuda_check
+if [ ! -x $C ]; then
+  log build
+  cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
+    cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+log check
+timeout 150 $C 2>&1 | tee "$OUT/check.txt"
+bench() {  # config-or-model ctx gen repeats [env]
+  local src=$1 ctx=$2 gen=$3 rep=$4 arg
+  if [ -f "configs/$src" ]; then arg="--config configs/$src"; else arg="--model $src"; fi
+  log "bench $src ctx=$ctx gen=$gen ${5:-}"
+  timeout 75 env ${5:-TIERMOE_NOP=1} $C bench $arg --ctx $ctx --gen $gen --repeats $rep | tee -a "$OUT/bench.jsonl"
+}
+log bench
+bench models/tinymix-code 512 64 3
+bench olmoe-1b-7b-v8192.json 16 128 3
+bench olmoe-1b-7b-v8192.json 4096 64 2
+bench qwen3-30b-a3b-L16-v8192.json 16 128 3
+bench qwen3-30b-a3b-L16-v8192.json 4096 64 2
+bench qwen3-30b-a3b-L16-v8192.json 16 128 3 TIERMOE_CUDA_GRAPHS=0
+if [ "$MODE" = full ]; then
+  bench olmoe-1b-7b.json 4096 64 2
+  bench qwen3-30b-a3b.json 4096 64 2
+  bench mixtral-8x7b.json 4096 32 2
+fi
+if command -v compute-sanitizer >/dev/null; then
+  log memcheck
+  timeout 60 compute-sanitizer --tool memcheck $C --kernels-only > "$OUT/memcheck.txt" 2>&1
+  tail -3 "$OUT/memcheck.txt"
+fi
+log summary
+grep -E "^(FAIL|==)" "$OUT/check.txt"
+python3 - "$OUT/bench.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try: j = json.loads(line)
+    except Exception: continue
+    print(f"{j.get('config',''):30s} {j.get('env',''):22s} ctx {j['prompt_tokens']:5d}  p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  ttft {j['ttft_ms']:.1f} ms  floor {j.get('floor_ms',0):.3f} ms  frac {j.get('fraction_of_floor',0):.2f}  bw {j.get('copy_bandwidth_GBps',0):.0f} GB/s")
+PY

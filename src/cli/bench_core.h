@@ -1,0 +1,90 @@
+// The timing loop of `tiermoe bench`, shared with tests/cuda/cuda_check.cpp (which runs the same
+// benchmark on machines that lack the tokenizer's libraries). Header-only on purpose.
+#pragma once
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <span>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "engine/sampler.h"
+
+namespace tiermoe {
+
+inline double bench_percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, size_t(p / 100.0 * double(v.size() - 1) + 0.5));
+  return v[i];
+}
+
+// Bytes one decode step must read at a context of n_ctx tokens: the active weights (attention,
+// router, the top-k experts, shared expert, dense MLPs, LM head, norms; one embedding row) in
+// BF16, plus the BF16 KV cache.
+inline double decode_bytes(const ModelConfig& c, double n_ctx) {
+  const double D = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, Dh = c.head_dim;
+  double w = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    w += (H * Dh * D * 2 + Hkv * Dh * D * 2) * 2.0 + 2 * D * 4;
+    if (c.layer_is_moe[l]) {
+      w += double(c.num_experts) * D * 2 + double(c.top_k) * 3 * c.expert_ffn * D * 2;
+      if (c.shared_expert_ffn > 0) w += 3.0 * c.shared_expert_ffn * D * 2 + D * 2;
+    } else {
+      w += 3.0 * c.intermediate_size * D * 2;
+    }
+  }
+  w += double(c.vocab_size) * D * 2 + D * 2 + D * 4;
+  const double kv = double(c.num_layers) * n_ctx * Hkv * Dh * 2 * 2;
+  return w + kv;
+}
+
+// One stream: a random prompt of prompt_tokens, then gen_tokens greedy decode steps, repeated
+// (repeat 0 warms up) on one cache emptied each time. Times on the host clock around each
+// forward call (which returns after the logits are on the host).
+inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int prompt_tokens, int gen_tokens,
+                                   int repeats) {
+  std::mt19937 rng(1234);
+  std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
+  for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
+  using clock = std::chrono::steady_clock;
+  auto ms_since = [](clock::time_point t0) { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); };
+  std::vector<double> prefill_ms, step_ms;
+  std::vector<float> logits(size_t(cfg.vocab_size));
+  auto cache = backend.new_cache();  // one cache, emptied per repeat (a captured CUDA graph stays valid)
+  for (int r = 0; r <= repeats; ++r) {
+    cache->truncate(0);
+    auto t0 = clock::now();
+    backend.forward(prompt, *cache, 1, logits.data());
+    const double pf = ms_since(t0);
+    std::vector<double> steps;
+    for (int i = 0; i < gen_tokens; ++i) {
+      const int32_t next = argmax(logits);
+      t0 = clock::now();
+      backend.forward(std::span(&next, 1), *cache, 1, logits.data());
+      steps.push_back(ms_since(t0));
+    }
+    if (r == 0) continue;
+    prefill_ms.push_back(pf);
+    step_ms.insert(step_ms.end(), steps.begin(), steps.end());
+  }
+  const double p50 = bench_percentile(step_ms, 50), p99 = bench_percentile(step_ms, 99),
+               ttft = bench_percentile(prefill_ms, 50);
+  return {{"backend", backend.name()}, {"batch", 1}, {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens},
+          {"repeats", repeats}, {"ttft_ms", ttft}, {"prefill_tokens_per_s", prompt_tokens / ttft * 1000.0},
+          {"ms_per_token_p50", p50}, {"ms_per_token_p99", p99}, {"tokens_per_s", 1000.0 / p50}};
+}
+
+// Adds bytes_per_token, floor_ms and fraction_of_floor (floor / measured p50; 1 = at the floor).
+inline void add_floor(nlohmann::json& out, const ModelConfig& cfg, double copy_bw_bytes_per_s) {
+  const int prompt = out["prompt_tokens"].get<int>(), gen = out["gen_tokens"].get<int>();
+  const double bytes = decode_bytes(cfg, prompt + 0.5 * gen);
+  const double floor_ms = bytes / copy_bw_bytes_per_s * 1e3;
+  out["bytes_per_token"] = bytes;
+  out["copy_bandwidth_GBps"] = copy_bw_bytes_per_s / 1e9;
+  out["floor_ms"] = floor_ms;
+  out["fraction_of_floor"] = floor_ms / out["ms_per_token_p50"].get<double>();
+}
+
+}  // namespace tiermoe

@@ -1,0 +1,671 @@
+// The CUDA forward pass: the CPU decoder's structure (cpu_backend.cpp) with device kernels.
+// Shape legend: T tokens, D hidden, H/Hkv heads, Dh head dim, E experts, K top-k, F FFN width,
+// V vocabulary. Weights BF16, activations FP32; T <= kGemvMaxT runs our GEMV kernels, larger T
+// runs cuBLAS (BF16 inputs, FP32 accumulate and output).
+//
+// A decode step (one sequence, one token) makes no allocation and no host synchronization
+// before its logits are copied back: token id and position go to the device first, the router's
+// top-k ids and weights stay in device memory where the expert kernels read them, and the whole
+// step is captured once as a CUDA graph and replayed (re-captured only when the KV buffer or the
+// attention split count changes).
+#include "cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "cuda/kernels.h"
+
+namespace tiermoe {
+namespace {
+
+using cuda::bf16;
+
+#define CUDA_CK(expr)                                                                                  \
+  do {                                                                                                 \
+    const cudaError_t err_ = (expr);                                                                   \
+    if (err_ != cudaSuccess) ::tiermoe::check_failed(#expr, __FILE__, __LINE__, cudaGetErrorString(err_)); \
+  } while (0)
+#define CUBLAS_CK(expr)                                                                                  \
+  do {                                                                                                   \
+    const cublasStatus_t st_ = (expr);                                                                   \
+    if (st_ != CUBLAS_STATUS_SUCCESS) ::tiermoe::check_failed(#expr, __FILE__, __LINE__, cublasGetStatusString(st_)); \
+  } while (0)
+
+template <class P>
+P* dalloc(std::vector<void*>& owned, size_t n) {
+  void* p = nullptr;
+  if (n == 0) n = 1;
+  const cudaError_t e = cudaMalloc(&p, n * sizeof(P));
+  if (e != cudaSuccess)
+    throw InputError("CUDA: cannot allocate " + std::to_string(n * sizeof(P) >> 20) + " MiB of GPU memory: " +
+                     cudaGetErrorString(e));
+  owned.push_back(p);
+  return static_cast<P*>(p);
+}
+
+std::vector<uint16_t> to_bf16_host(const void* data, DType t, size_t n) {
+  std::vector<uint16_t> out(n);
+  if (t == DType::BF16) {
+    std::memcpy(out.data(), data, n * 2);
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(load_f32(data, t, i));
+  }
+  return out;
+}
+
+struct DLinear {  // W[out, in] in BF16 on the device
+  const bf16* w = nullptr;
+  int out = 0, in = 0;
+};
+
+struct DLayer {
+  const float *attn_norm = nullptr, *ffn_norm = nullptr;
+  DLinear q, k, v, o;
+  const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  bool is_moe = false;
+  DLinear dense_gu, dense_down;   // [2F, D] (gate rows, then up rows), [D, F]
+  DLinear router;                 // [E, D]
+  const bf16* experts_gu = nullptr;    // [E, 2F, D]
+  const bf16* experts_down = nullptr;  // [E, D, F]
+  DLinear shared_gu, shared_down, shared_gate;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The GPU KV cache: per layer, rows [capacity, Hkv, Dh] of BF16 for K and for V.
+class CudaKvCache final : public KvCache {
+ public:
+  CudaKvCache(const KvGeometry& g, int capacity, int max_capacity, cudaStream_t s)
+      : g_(g), row_(size_t(g.num_kv_heads) * g.head_dim), max_cap_(max_capacity), stream_(s),
+        lens_(g.num_layers, 0), appended_(g.num_layers, 0) {
+    grow(std::min(capacity, max_capacity));
+  }
+  ~CudaKvCache() override {
+    cudaFree(k_);
+    cudaFree(v_);
+    cudaFree(pos_);
+    cudaFree(partial_);
+  }
+
+  bf16* k(int layer) const { return k_ + size_t(layer) * cap_ * row_; }
+  bf16* v(int layer) const { return v_ + size_t(layer) * cap_ * row_; }
+  int capacity() const { return cap_; }
+
+  // Makes room for n rows; may allocate and synchronize (never called inside a captured step).
+  void reserve(int n) {
+    if (n > max_cap_) throw InputError("KV cache: " + std::to_string(n) + " tokens exceed the context of " + std::to_string(max_cap_));
+    if (n <= cap_) return;
+    int c = cap_;
+    while (c < n) c = std::min(max_cap_, c * 2);
+    grow(c);
+  }
+  void advance(int T) {
+    for (int l = 0; l < g_.num_layers; ++l) {
+      lens_[l] += T;
+      appended_[l] = T;
+    }
+  }
+
+  // KvCache interface: k, v, q and out are DEVICE pointers (see cuda_backend.h).
+  void append(int layer, const float* k, const float* v, int T) override {
+    reserve(lens_[layer] + T);
+    upload_positions(lens_[layer], T);
+    CUDA_CK(cuda::kv_append(this->k(layer), this->v(layer), k, v, pos_, T, int(row_), stream_));
+    lens_[layer] += T;
+    appended_[layer] = T;
+  }
+  void attend(int layer, const float* q, int T, float* out) const override {
+    CHECK(T <= appended_[layer]);
+    const int n = lens_[layer], split = 256, n_splits = (n + split - 1) / split;
+    const_cast<CudaKvCache*>(this)->upload_positions(n - T, T);
+    const size_t need = size_t(T) * g_.num_heads * n_splits * (g_.head_dim + 2);
+    if (need > partial_n_) {
+      cudaFree(partial_);
+      CUDA_CK(cudaMalloc(&partial_, need * sizeof(float)));
+      partial_n_ = need;
+    }
+    CUDA_CK(cuda::attention(out, q, this->k(layer), this->v(layer), pos_, T, g_.num_heads, g_.num_kv_heads,
+                            g_.head_dim, n_splits, split, partial_, stream_));
+    CUDA_CK(cudaStreamSynchronize(stream_));
+  }
+  int length() const override { return lens_.empty() ? 0 : lens_.back(); }
+  void truncate(int n) override {
+    for (int l = 0; l < g_.num_layers; ++l) {
+      CHECK(n <= lens_[l]);
+      lens_[l] = n;
+      appended_[l] = 0;
+    }
+  }
+  size_t bytes() const override { return size_t(length()) * row_ * 2 * 2 * size_t(g_.num_layers); }
+
+ private:
+  void grow(int c) {
+    bf16 *nk = nullptr, *nv = nullptr;
+    const size_t n = size_t(g_.num_layers) * c * row_;
+    if (cudaMalloc(&nk, n * 2) != cudaSuccess || cudaMalloc(&nv, n * 2) != cudaSuccess)
+      throw InputError("KV cache: cannot allocate " + std::to_string(2 * n * 2 >> 20) + " MiB of GPU memory");
+    for (int l = 0; l < g_.num_layers && k_; ++l) {
+      const size_t rows = size_t(std::min(lens_[l], cap_)) * row_ * 2;
+      CUDA_CK(cudaMemcpyAsync(nk + size_t(l) * c * row_, k(l), rows, cudaMemcpyDeviceToDevice, stream_));
+      CUDA_CK(cudaMemcpyAsync(nv + size_t(l) * c * row_, v(l), rows, cudaMemcpyDeviceToDevice, stream_));
+    }
+    CUDA_CK(cudaStreamSynchronize(stream_));
+    cudaFree(k_);
+    cudaFree(v_);
+    k_ = nk;
+    v_ = nv;
+    cap_ = c;
+  }
+  void upload_positions(int first, int T) {
+    if (T > pos_n_) {
+      cudaFree(pos_);
+      CUDA_CK(cudaMalloc(&pos_, size_t(T) * 4));
+      pos_n_ = T;
+    }
+    std::vector<int32_t> p(T);
+    for (int i = 0; i < T; ++i) p[i] = first + i;
+    CUDA_CK(cudaMemcpyAsync(pos_, p.data(), size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CK(cudaStreamSynchronize(stream_));
+  }
+
+  KvGeometry g_;
+  size_t row_;
+  int max_cap_, cap_ = 0;
+  cudaStream_t stream_;
+  bf16 *k_ = nullptr, *v_ = nullptr;
+  std::vector<int> lens_, appended_;
+  int32_t* pos_ = nullptr;  // for the interface's append/attend only
+  int pos_n_ = 0;
+  mutable float* partial_ = nullptr;
+  mutable size_t partial_n_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
+    if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;  // for A/B timing
+    int n_dev = 0;
+    if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
+      throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
+    CUDA_CK(cudaSetDevice(0));
+    CUDA_CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUBLAS_CK(cublasCreate(&blas_));
+    CUBLAS_CK(cublasSetStream(blas_, stream_));
+    if (cfg_.num_experts > cuda::kRouteMaxE) throw InputError("CUDA backend: more than 256 experts per layer");
+    if (cfg_.head_dim > cuda::kAttnMaxDh) throw InputError("CUDA backend: head_dim above 256");
+  }
+  ~CudaBackend() override {
+    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+    for (void* p : owned_) cudaFree(p);
+    cudaFreeHost(h_ids_);
+    cudaFreeHost(h_pos_);
+    cudaFreeHost(h_logits_);
+    cublasDestroy(blas_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+
+  std::unique_ptr<KvCache> new_cache() const override {
+    const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20;
+    return std::make_unique<CudaKvCache>(KvGeometry{cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim},
+                                         opts_.initial_ctx, max_ctx, stream_);
+  }
+
+  void forward_batch(std::span<const SeqStep> steps, float* logits) override {
+    std::vector<SeqStep> pass;
+    int pass_tokens = 0;
+    size_t logit_rows = 0;
+    auto flush = [&] {
+      if (pass.empty()) return;
+      forward_pass(pass, logits ? logits + logit_rows * size_t(cfg_.vocab_size) : nullptr);
+      for (const SeqStep& p : pass) logit_rows += size_t(p.n_logits);
+      pass.clear();
+      pass_tokens = 0;
+    };
+    for (const SeqStep& s : steps) {
+      const int n = int(s.tokens.size());
+      CHECK(s.cache != nullptr && s.n_logits >= 0 && s.n_logits <= n);
+      for (int start = 0; start < n;) {
+        if (pass_tokens == opts_.max_chunk) flush();
+        const int take = std::min(n - start, opts_.max_chunk - pass_tokens);
+        const int first_logit = n - s.n_logits;
+        const int piece_logits = std::max(0, start + take - std::max(first_logit, start));
+        pass.push_back({s.tokens.subspan(start, take), s.cache, piece_logits});
+        pass_tokens += take;
+        start += take;
+        if (start < n) flush();
+      }
+    }
+    flush();
+  }
+
+  // Weights: from a checkpoint, or random (dummy).
+  void upload(const ModelWeights& w);
+  void init_dummy();
+
+ private:
+  struct Piece {
+    CudaKvCache* cache;
+    int n, n_logits, n_splits, split_len;
+  };
+
+  DLinear put_linear(const Linear& l) {
+    bf16* d = dalloc<bf16>(owned_, size_t(l.out) * l.in);
+    put_into(d, l);
+    return {d, l.out, l.in};
+  }
+  void put_into(bf16* d, const Linear& l) {
+    const auto h = to_bf16_host(l.w, l.dtype, size_t(l.out) * l.in);
+    CUDA_CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  }
+  DLinear put_gate_up(const Linear& g, const Linear& u) {
+    bf16* d = dalloc<bf16>(owned_, size_t(2) * g.out * g.in);
+    put_into(d, g);
+    put_into(d + size_t(g.out) * g.in, u);
+    return {d, 2 * g.out, g.in};
+  }
+  const float* put_vec(const std::vector<float>& v) {
+    if (v.empty()) return nullptr;
+    float* d = dalloc<float>(owned_, v.size());
+    CUDA_CK(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    return d;
+  }
+  DLinear rand_linear(int out, int in, float scale = 0.f) {
+    bf16* d = dalloc<bf16>(owned_, size_t(out) * in);
+    CUDA_CK(cuda::fill_random_bf16(d, size_t(out) * in, ++seed_, scale > 0 ? scale : std::sqrt(3.0f / float(in)), stream_));
+    return {d, out, in};
+  }
+  const float* const_vec(int n, float value) {
+    float* d = dalloc<float>(owned_, size_t(n));
+    CUDA_CK(cuda::fill_f32(d, size_t(n), value, stream_));
+    return d;
+  }
+
+  void alloc_workspace();
+  void forward_pass(const std::vector<SeqStep>& pieces, float* logits);
+  void run_layers(const std::vector<Piece>& pieces, int T, int n_logits);
+  void linear(float* y, const float* x, const DLinear& W, int T, bool accumulate);
+  void gemm(float* y, const bf16* xb, const bf16* w, int T, int N, int K, bool accumulate);
+  void mlp(const DLinear& gu, const DLinear& down, int T, float* out, bool accumulate);
+  void moe(const DLayer& L, int T);
+
+  ModelConfig cfg_;
+  CudaBackendOptions opts_;
+  uint64_t seed_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  std::vector<void*> owned_;
+
+  const bf16* embed_ = nullptr;
+  DLinear lm_head_;
+  const float* final_norm_ = nullptr;
+  std::vector<DLayer> layers_;
+
+  // Workspace, sized for max_chunk tokens at construction.
+  float *x_, *h_, *q_, *k_, *v_, *att_, *gu_, *act_, *tmp_, *router_, *wts_, *sg_, *logits_, *partial_;
+  int32_t *ids_, *pos_, *topk_;
+  bf16 *xb_, *actb_;
+  size_t partial_cap_ = 0;
+  int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
+  float* h_logits_ = nullptr;
+  static constexpr int kPinnedLogitRows = 8;
+
+  cudaGraphExec_t graph_exec_ = nullptr;
+  struct GraphKey {
+    const void* k = nullptr;
+    int cap = 0, n_splits = 0;
+    bool operator==(const GraphKey&) const = default;
+  } graph_key_;
+  int graph_logits_ = -1;
+};
+
+void CudaBackend::alloc_workspace() {
+  const int Tm = opts_.max_chunk, D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads,
+            Dh = cfg_.head_dim, E = std::max(1, cfg_.num_experts), K = std::max(1, cfg_.top_k);
+  const int F = std::max({cfg_.intermediate_size, cfg_.expert_ffn, cfg_.shared_expert_ffn, 1});
+  x_ = dalloc<float>(owned_, size_t(Tm) * D);
+  h_ = dalloc<float>(owned_, size_t(Tm) * D);
+  tmp_ = dalloc<float>(owned_, size_t(Tm) * D);
+  q_ = dalloc<float>(owned_, size_t(Tm) * H * Dh);
+  att_ = dalloc<float>(owned_, size_t(Tm) * H * Dh);
+  k_ = dalloc<float>(owned_, size_t(Tm) * Hkv * Dh);
+  v_ = dalloc<float>(owned_, size_t(Tm) * Hkv * Dh);
+  gu_ = dalloc<float>(owned_, size_t(Tm) * 2 * F);
+  act_ = dalloc<float>(owned_, std::max(size_t(Tm) * F, size_t(cuda::kGemvMaxT) * K * F));
+  router_ = dalloc<float>(owned_, size_t(Tm) * E);
+  wts_ = dalloc<float>(owned_, size_t(Tm) * K);
+  topk_ = dalloc<int32_t>(owned_, size_t(Tm) * K);
+  sg_ = dalloc<float>(owned_, size_t(Tm));
+  logits_ = dalloc<float>(owned_, size_t(Tm) * cfg_.vocab_size);
+  ids_ = dalloc<int32_t>(owned_, size_t(Tm));
+  pos_ = dalloc<int32_t>(owned_, size_t(Tm));
+  xb_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
+  actb_ = dalloc<bf16>(owned_, size_t(Tm) * F);
+  // Attention partials: up to 32 splits for a prompt chunk, or one per 256 keys at T <= 8.
+  const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 16;
+  partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + 255) / 256 * 2)) * H * (Dh + 2);
+  partial_ = dalloc<float>(owned_, partial_cap_);
+  CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
+  CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
+  CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
+}
+
+void CudaBackend::upload(const ModelWeights& w) {
+  alloc_workspace();
+  lm_head_ = put_linear(w.lm_head);
+  embed_ = cfg_.tie_word_embeddings ? lm_head_.w : put_linear(w.embed).w;
+  final_norm_ = put_vec(w.final_norm);
+  for (const LayerWeights& L : w.layers) {
+    DLayer d;
+    d.attn_norm = put_vec(L.attn_norm);
+    d.ffn_norm = put_vec(L.ffn_norm);
+    d.q = put_linear(L.q);
+    d.k = put_linear(L.k);
+    d.v = put_linear(L.v);
+    d.o = put_linear(L.o);
+    d.q_bias = put_vec(L.q_bias);
+    d.k_bias = put_vec(L.k_bias);
+    d.v_bias = put_vec(L.v_bias);
+    d.q_norm = put_vec(L.q_norm);
+    d.k_norm = put_vec(L.k_norm);
+    d.is_moe = L.is_moe;
+    if (L.is_moe) {
+      const int E = cfg_.num_experts, F = cfg_.expert_ffn, D = cfg_.hidden_size;
+      d.router = put_linear(L.router);
+      bf16* gu = dalloc<bf16>(owned_, size_t(E) * 2 * F * D);
+      bf16* dn = dalloc<bf16>(owned_, size_t(E) * D * F);
+      for (int e = 0; e < E; ++e) {
+        put_into(gu + size_t(e) * 2 * F * D, L.experts[e].gate);
+        put_into(gu + size_t(e) * 2 * F * D + size_t(F) * D, L.experts[e].up);
+        put_into(dn + size_t(e) * D * F, L.experts[e].down);
+      }
+      d.experts_gu = gu;
+      d.experts_down = dn;
+      if (cfg_.shared_expert_ffn > 0) {
+        d.shared_gu = put_gate_up(L.shared.gate, L.shared.up);
+        d.shared_down = put_linear(L.shared.down);
+        d.shared_gate = put_linear(L.shared_gate);
+      }
+    } else {
+      d.dense_gu = put_gate_up(L.dense.gate, L.dense.up);
+      d.dense_down = put_linear(L.dense.down);
+    }
+    layers_.push_back(d);
+  }
+  CUDA_CK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::init_dummy() {
+  alloc_workspace();
+  seed_ = opts_.dummy_seed * 1000003ull;
+  const int D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
+  embed_ = rand_linear(cfg_.vocab_size, D, 1.0f).w;
+  lm_head_ = cfg_.tie_word_embeddings ? DLinear{embed_, cfg_.vocab_size, D} : rand_linear(cfg_.vocab_size, D);
+  final_norm_ = const_vec(D, 1.f);
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    DLayer d;
+    d.attn_norm = const_vec(D, 1.f);
+    d.ffn_norm = const_vec(D, 1.f);
+    d.q = rand_linear(H * Dh, D);
+    d.k = rand_linear(Hkv * Dh, D);
+    d.v = rand_linear(Hkv * Dh, D);
+    d.o = rand_linear(D, H * Dh);
+    if (cfg_.qkv_bias) {
+      d.q_bias = const_vec(H * Dh, 0.f);
+      d.k_bias = const_vec(Hkv * Dh, 0.f);
+      d.v_bias = const_vec(Hkv * Dh, 0.f);
+    }
+    if (cfg_.qk_norm == QkNorm::PerHead) {
+      d.q_norm = const_vec(Dh, 1.f);
+      d.k_norm = const_vec(Dh, 1.f);
+    } else if (cfg_.qk_norm == QkNorm::Full) {
+      d.q_norm = const_vec(H * Dh, 1.f);
+      d.k_norm = const_vec(Hkv * Dh, 1.f);
+    }
+    d.is_moe = cfg_.layer_is_moe[l];
+    if (d.is_moe) {
+      const int E = cfg_.num_experts, F = cfg_.expert_ffn;
+      d.router = rand_linear(E, D);
+      d.experts_gu = rand_linear(E * 2 * F, D).w;
+      d.experts_down = rand_linear(E * D, F).w;
+      if (cfg_.shared_expert_ffn > 0) {
+        d.shared_gu = rand_linear(2 * cfg_.shared_expert_ffn, D);
+        d.shared_down = rand_linear(D, cfg_.shared_expert_ffn);
+        d.shared_gate = rand_linear(1, D);
+      }
+    } else {
+      d.dense_gu = rand_linear(2 * cfg_.intermediate_size, D);
+      d.dense_down = rand_linear(D, cfg_.intermediate_size);
+    }
+    layers_.push_back(d);
+  }
+  CUDA_CK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::gemm(float* y, const bf16* xb, const bf16* w, int T, int N, int K, bool accumulate) {
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+  // Column-major view: y^T[N, T] = W[N, K] (row-major, i.e. op T of a K x N matrix) x^T[K, T].
+  CUBLAS_CK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, &alpha, w, CUDA_R_16BF, K, xb, CUDA_R_16BF, K,
+                         &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void CudaBackend::linear(float* y, const float* x, const DLinear& W, int T, bool accumulate) {
+  if (T <= cuda::kGemvMaxT) {
+    CUDA_CK(cuda::gemv(y, x, W.w, T, W.out, W.in, accumulate, stream_));
+  } else {
+    CUDA_CK(cuda::to_bf16(xb_, x, size_t(T) * W.in, stream_));
+    gemm(y, xb_, W.w, T, W.out, W.in, accumulate);
+  }
+}
+
+void CudaBackend::mlp(const DLinear& gu, const DLinear& down, int T, float* out, bool accumulate) {
+  const int F = gu.out / 2;
+  linear(gu_, h_, gu, T, false);                        // [T, 2F]
+  CUDA_CK(cuda::silu_mul_gu(act_, gu_, T, F, stream_));  // [T, F]
+  linear(out, act_, down, T, accumulate);               // [T, D]
+}
+
+void CudaBackend::moe(const DLayer& L, int T) {
+  const int D = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.top_k, F = cfg_.expert_ffn;
+  linear(router_, h_, L.router, T, false);  // [T, E]
+  CUDA_CK(cuda::route_topk(topk_, wts_, router_, T, E, K, cfg_.norm_topk_prob, stream_));  // [T, K] on the device
+  if (T <= cuda::kGemvMaxT) {
+    CUDA_CK(cuda::moe_gate_up(act_, h_, L.experts_gu, topk_, T, K, F, D, stream_));          // [T, K, F]
+    CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_));      // x += ...
+  } else {
+    // Prompt chunks: every expert over every token with the routing weight as a row mask (0 for
+    // tokens that did not pick it) -- E/K times the needed FLOPs, but no host sync and all
+    // tensor-core GEMMs. Grouping tokens per expert (grouped GEMM) is the next step.
+    CUDA_CK(cuda::to_bf16(xb_, h_, size_t(T) * D, stream_));
+    for (int e = 0; e < E; ++e) {
+      gemm(gu_, xb_, L.experts_gu + size_t(e) * 2 * F * D, T, 2 * F, D, false);
+      CUDA_CK(cuda::moe_act_masked(actb_, gu_, topk_, wts_, e, T, K, F, stream_));
+      gemm(x_, actb_, L.experts_down + size_t(e) * D * F, T, D, F, true);
+    }
+  }
+  if (cfg_.shared_expert_ffn > 0) {
+    mlp(L.shared_gu, L.shared_down, T, tmp_, false);
+    linear(sg_, h_, L.shared_gate, T, false);  // [T, 1]
+    CUDA_CK(cuda::add_sigmoid_scaled(x_, tmp_, sg_, T, D, stream_));
+  }
+}
+
+void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logits) {
+  const int D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
+  const float eps = cfg_.rms_norm_eps;
+  CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    const DLayer& L = layers_[l];
+    CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
+    linear(q_, h_, L.q, T, false);
+    linear(k_, h_, L.k, T, false);
+    linear(v_, h_, L.v, T, false);
+    if (cfg_.qkv_bias) {
+      CUDA_CK(cuda::add_bias(q_, L.q_bias, T, H * Dh, stream_));
+      CUDA_CK(cuda::add_bias(k_, L.k_bias, T, Hkv * Dh, stream_));
+      CUDA_CK(cuda::add_bias(v_, L.v_bias, T, Hkv * Dh, stream_));
+    }
+    if (cfg_.clip_qkv) {
+      CUDA_CK(cuda::clamp(q_, size_t(T) * H * Dh, *cfg_.clip_qkv, stream_));
+      CUDA_CK(cuda::clamp(k_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
+      CUDA_CK(cuda::clamp(v_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
+    }
+    if (cfg_.qk_norm == QkNorm::Full) {
+      CUDA_CK(cuda::rmsnorm(q_, q_, L.q_norm, T, H * Dh, eps, stream_));
+      CUDA_CK(cuda::rmsnorm(k_, k_, L.k_norm, T, Hkv * Dh, eps, stream_));
+    } else if (cfg_.qk_norm == QkNorm::PerHead) {
+      CUDA_CK(cuda::rmsnorm(q_, q_, L.q_norm, T * H, Dh, eps, stream_));
+      CUDA_CK(cuda::rmsnorm(k_, k_, L.k_norm, T * Hkv, Dh, eps, stream_));
+    }
+    CUDA_CK(cuda::rope(q_, pos_, T, H, Dh, cfg_.rope_theta, stream_));
+    CUDA_CK(cuda::rope(k_, pos_, T, Hkv, Dh, cfg_.rope_theta, stream_));
+    for (size_t t = 0; const Piece& p : pieces) {
+      CUDA_CK(cuda::kv_append(p.cache->k(l), p.cache->v(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n,
+                              Hkv * Dh, stream_));
+      CUDA_CK(cuda::attention(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l), pos_ + t, p.n, H,
+                              Hkv, Dh, p.n_splits, p.split_len, partial_, stream_));
+      t += size_t(p.n);
+    }
+    linear(x_, att_, L.o, T, true);  // x += attn @ Wo^T
+    CUDA_CK(cuda::rmsnorm(h_, x_, L.ffn_norm, T, D, eps, stream_));
+    if (L.is_moe)
+      moe(L, T);
+    else
+      mlp(L.dense_gu, L.dense_down, T, x_, true);
+  }
+  if (n_logits > 0) {
+    for (int t = 0, row = 0; const Piece& p : pieces) {  // the last n_logits rows of each piece
+      t += p.n;
+      if (p.n_logits > 0)
+        CUDA_CK(cudaMemcpyAsync(h_ + size_t(row) * D, x_ + size_t(t - p.n_logits) * D, size_t(p.n_logits) * D * 4,
+                                cudaMemcpyDeviceToDevice, stream_));
+      row += p.n_logits;
+    }
+    CUDA_CK(cuda::rmsnorm(h_, h_, final_norm_, n_logits, D, eps, stream_));
+    linear(logits_, h_, lm_head_, n_logits, false);  // [n_logits, V]
+  }
+}
+
+void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits) {
+  int T = 0, n_logits = 0;
+  std::vector<Piece> pieces;
+  for (const SeqStep& s : steps) {
+    auto* cache = dynamic_cast<CudaKvCache*>(s.cache);
+    CHECK_MSG(cache != nullptr, "the CUDA backend needs caches from its own new_cache()");
+    const int n = int(s.tokens.size()), len = cache->length();
+    cache->reserve(len + n);
+    for (int i = 0; i < n; ++i) {
+      CHECK(s.tokens[i] >= 0 && s.tokens[i] < cfg_.vocab_size);
+      h_ids_[T + i] = s.tokens[i];
+      h_pos_[T + i] = len + i;
+    }
+    Piece p{cache, n, s.n_logits, 0, 256};
+    const int keys = len + n, max_splits = (cache->capacity() + 255) / 256;
+    if (n <= cuda::kGemvMaxT) {
+      p.n_splits = 1;  // a power of two, so that a captured decode step stays valid for many steps
+      while (p.n_splits * 256 < keys) p.n_splits *= 2;
+      p.n_splits = std::min(p.n_splits, max_splits);
+    } else {
+      p.n_splits = std::min(32, (keys + 255) / 256);
+      p.split_len = (keys + p.n_splits - 1) / p.n_splits;
+    }
+    CHECK(size_t(n) * cfg_.num_heads * p.n_splits * (cfg_.head_dim + 2) <= partial_cap_);
+    pieces.push_back(p);
+    T += n;
+    n_logits += s.n_logits;
+  }
+  CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+  CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+
+  const bool graph = opts_.use_graphs && pieces.size() == 1 && T == 1;
+  if (graph) {
+    const GraphKey key{pieces[0].cache->k(0), pieces[0].cache->capacity(), pieces[0].n_splits};
+    if (!graph_exec_ || !(key == graph_key_) || graph_logits_ != n_logits) {
+      if (graph_exec_) CUDA_CK(cudaGraphExecDestroy(graph_exec_));
+      graph_exec_ = nullptr;
+      cudaGraph_t g = nullptr;
+      CUDA_CK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      run_layers(pieces, T, n_logits);
+      CUDA_CK(cudaStreamEndCapture(stream_, &g));
+      CUDA_CK(cudaGraphInstantiate(&graph_exec_, g, 0));
+      CUDA_CK(cudaGraphDestroy(g));
+      graph_key_ = key;
+      graph_logits_ = n_logits;
+    }
+    CUDA_CK(cudaGraphLaunch(graph_exec_, stream_));
+  } else {
+    run_layers(pieces, T, n_logits);
+  }
+  for (const Piece& p : pieces) p.cache->advance(p.n);
+
+  const size_t bytes = size_t(n_logits) * cfg_.vocab_size * 4;
+  if (logits && n_logits > 0 && n_logits <= kPinnedLogitRows) {
+    CUDA_CK(cudaMemcpyAsync(h_logits_, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CK(cudaStreamSynchronize(stream_));
+    std::memcpy(logits, h_logits_, bytes);
+  } else if (logits && n_logits > 0) {
+    CUDA_CK(cudaMemcpyAsync(logits, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CK(cudaStreamSynchronize(stream_));
+  } else {
+    CUDA_CK(cudaStreamSynchronize(stream_));
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const ModelWeights& weights, const CudaBackendOptions& opts) {
+  auto b = std::make_unique<CudaBackend>(weights.cfg, opts);
+  b->upload(weights);
+  return b;
+}
+
+std::unique_ptr<Backend> make_cuda_backend_dummy(const ModelConfig& cfg, const CudaBackendOptions& opts) {
+  auto b = std::make_unique<CudaBackend>(cfg, opts);
+  b->init_dummy();
+  return b;
+}
+
+double cuda_copy_bandwidth() {
+  const size_t n = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  CUDA_CK(cudaMalloc(&a, n));
+  CUDA_CK(cudaMalloc(&b, n));
+  CUDA_CK(cudaMemset(a, 1, n));
+  cudaEvent_t e0, e1;
+  CUDA_CK(cudaEventCreate(&e0));
+  CUDA_CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int i = 0; i < 12; ++i) {
+    CUDA_CK(cudaEventRecord(e0));
+    CUDA_CK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, n, cudaMemcpyDeviceToDevice));
+    CUDA_CK(cudaEventRecord(e1));
+    CUDA_CK(cudaEventSynchronize(e1));
+    float t = 0;
+    CUDA_CK(cudaEventElapsedTime(&t, e0, e1));
+    if (i >= 2) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(n) / (double(ms[ms.size() / 2]) * 1e-3);
+}
+
+std::string cuda_device_name() {
+  cudaDeviceProp p{};
+  CUDA_CK(cudaGetDeviceProperties(&p, 0));
+  return p.name;
+}
+
+}  // namespace tiermoe

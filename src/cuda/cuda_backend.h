@@ -1,0 +1,35 @@
+// The CUDA backend: the same Backend interface as the CPU one, weights in BF16 on one GPU.
+// Built only when nvcc is found (TIERMOE_HAVE_CUDA); nothing here touches the GPU until one of
+// these functions is called, so a CUDA build still runs every CPU command on a machine
+// without a GPU.
+#pragma once
+#include <memory>
+
+#include "backend/backend.h"
+
+namespace tiermoe {
+
+struct CudaBackendOptions {
+  int max_chunk = 512;       // tokens per pass through the layers
+  int initial_ctx = 8192;    // KV rows a new cache reserves (grows by doubling, never in a decode step)
+  bool use_graphs = true;    // capture the batch-1 decode step as a CUDA graph
+  uint64_t dummy_seed = 1;   // --load-format dummy
+};
+
+// Uploads the checkpoint's weights, converted to BF16 (norms and biases stay FP32).
+std::unique_ptr<Backend> make_cuda_backend(const ModelWeights& weights, const CudaBackendOptions& opts = {});
+
+// --load-format dummy: the config's shapes with random BF16 weights generated on the GPU.
+std::unique_ptr<Backend> make_cuda_backend_dummy(const ModelConfig& cfg, const CudaBackendOptions& opts = {});
+
+// Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written
+// (median of several 1 GiB copies).
+double cuda_copy_bandwidth();
+
+// A human-readable name of the GPU, e.g. "NVIDIA H200".
+std::string cuda_device_name();
+
+// The KV cache a CUDA backend hands out stores BF16 rows on the GPU. Its KvCache::append and
+// KvCache::attend take DEVICE pointers (k, v, q and out all in GPU memory), unlike the CPU cache.
+
+}  // namespace tiermoe

@@ -1,0 +1,535 @@
+// The CUDA kernels declared in kernels.h. Plain CUDA C++ for sm_90; no tensor-core code here
+// (large-T matrix products go to cuBLAS).
+#include "cuda/kernels.h"
+
+#include <cfloat>
+#include <climits>
+#include <cmath>
+
+#include <cuda_bf16.h>
+
+namespace tiermoe::cuda {
+namespace {
+
+__device__ __forceinline__ float bf(bf16 h) { return __uint_as_float(uint32_t(h) << 16); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// 8 BF16 packed in a uint4 -> dot with 8 consecutive floats of x (16-byte aligned).
+__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
+  const float4 a = *reinterpret_cast<const float4*>(x);
+  const float4 b = *reinterpret_cast<const float4*>(x + 4);
+  float s = __uint_as_float(w.x << 16) * a.x;
+  s = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, s);
+  s = fmaf(__uint_as_float(w.y << 16), a.z, s);
+  s = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, s);
+  s = fmaf(__uint_as_float(w.z << 16), b.x, s);
+  s = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, s);
+  s = fmaf(__uint_as_float(w.w << 16), b.z, s);
+  s = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, s);
+  return s;
+}
+
+__device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// One warp: dot of a BF16 row w[K] with FP32 x[K].
+__device__ __forceinline__ float warp_dot(const bf16* __restrict__ w, const float* __restrict__ x, int K, int lane) {
+  float s = 0.f;
+  if ((K & 7) == 0) {
+    const int K8 = K >> 3;
+#pragma unroll 4
+    for (int i = lane; i < K8; i += 32) s += dot8(ldg16(w + 8 * i), x + 8 * i);
+  } else {
+    for (int i = lane; i < K; i += 32) s = fmaf(bf(w[i]), x[i], s);
+  }
+  return warp_sum(s);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+constexpr int kWarps = 8;  // rows per block in the GEMV-style kernels
+
+__global__ void embed_kernel(float* x, const bf16* table, const int32_t* ids, int D) {
+  const int t = blockIdx.x;
+  const bf16* row = table + size_t(ids[t]) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) x[size_t(t) * D + d] = bf(row[d]);
+}
+
+__global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, float eps) {
+  const size_t r = blockIdx.x;
+  const float* xr = x + r * D;
+  float ss = 0.f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) ss = fmaf(xr[d], xr[d], ss);
+  __shared__ float part[32];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) part[0] = v;
+  }
+  __syncthreads();
+  const float inv = 1.0f / sqrtf(part[0] / float(D) + eps);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) y[r * D + d] = xr[d] * inv * w[d];
+}
+
+__global__ void rope_kernel(float* x, const int32_t* pos, int n_heads, int Dh, float theta) {
+  const int t = blockIdx.x, half = Dh / 2;
+  const float p = float(pos[t]);
+  for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
+    const int h = i / half, j = i % half;
+    const float inv_freq = 1.0f / powf(theta, float(2 * j) / float(Dh));
+    const float angle = inv_freq * p;  // fp32 product, as transformers computes it
+    float sn, cs;
+    sincosf(angle, &sn, &cs);
+    float* v = x + (size_t(t) * n_heads + h) * Dh;
+    const float a = v[j], b = v[j + half];
+    v[j] = a * cs - b * sn;
+    v[j + half] = b * cs + a * sn;
+  }
+}
+
+__global__ void add_bias_kernel(float* x, const float* b, int T, int N) {
+  const size_t n = size_t(T) * N;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] += b[i % N];
+}
+
+__global__ void clamp_kernel(float* x, size_t n, float c) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = fminf(c, fmaxf(-c, x[i]));
+}
+
+__global__ void silu_mul_gu_kernel(float* act, const float* gu, int T, int F) {
+  const size_t n = size_t(T) * F;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t t = i / F, f = i % F;
+    act[i] = silu(gu[t * 2 * F + f]) * gu[t * 2 * F + F + f];
+  }
+}
+
+__global__ void add_sigmoid_scaled_kernel(float* x, const float* y, const float* g, int T, int D) {
+  const size_t n = size_t(T) * D;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] += 1.0f / (1.0f + expf(-g[i / D])) * y[i];
+}
+
+__global__ void to_bf16_kernel(__nv_bfloat16* y, const float* x, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+
+// One warp per output row n; TT accumulators (T <= TT), weights read once for all T rows of x.
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
+                                                           const bf16* __restrict__ W, int T, int N, int K,
+                                                           bool accumulate) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (n >= N) return;
+  const bf16* w = W + size_t(n) * K;
+  float acc[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) acc[t] = 0.f;
+  if ((K & 7) == 0) {
+    const int K8 = K >> 3;
+#pragma unroll 4
+    for (int i = lane; i < K8; i += 32) {
+      const uint4 wv = ldg16(w + 8 * i);
+#pragma unroll
+      for (int t = 0; t < TT; ++t)
+        if (t < T) acc[t] += dot8(wv, x + size_t(t) * K + 8 * i);
+    }
+  } else {
+    for (int i = lane; i < K; i += 32) {
+      const float wv = bf(w[i]);
+#pragma unroll
+      for (int t = 0; t < TT; ++t)
+        if (t < T) acc[t] = fmaf(wv, x[size_t(t) * K + i], acc[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t >= T) break;
+    const float s = warp_sum(acc[t]);
+    if (lane == 0) {
+      float* dst = y + size_t(t) * N + n;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+}
+
+// One warp per token. Each lane holds experts lane, lane+32, ...
+__global__ void route_topk_kernel(int32_t* ids, float* weights, const float* logits, int E, int K, bool renormalize) {
+  constexpr int J = kRouteMaxE / 32;
+  const int t = blockIdx.x, lane = threadIdx.x;
+  const float* l = logits + size_t(t) * E;
+  float v[J];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? l[e] : -INFINITY;
+    mx = fmaxf(mx, v[j]);
+  }
+  mx = warp_max(mx);
+  float den = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if (lane + 32 * j < E) den += expf(v[j] - mx);
+  den = warp_sum(den);
+  uint32_t taken = 0;
+  float sum = 0.f, w_mine = 0.f;
+  int id_mine = 0;
+  for (int k = 0; k < K; ++k) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int e = lane + 32 * j;
+      if (e < E && !(taken >> j & 1u) && (bi == INT_MAX || v[j] > bv)) {  // lanes scan ascending e
+        bv = v[j];
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    const float w = expf(bv - mx) / den;
+    sum += w;
+    if (lane == k) {
+      id_mine = bi;
+      w_mine = w;
+    }
+  }
+  if (lane < K) {
+    ids[size_t(t) * K + lane] = id_mine;
+    weights[size_t(t) * K + lane] = renormalize ? w_mine / sum : w_mine;
+  }
+}
+
+// grid (ceil(F / kWarps), T*K): one warp per (t, k, f).
+__global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restrict__ act, const float* __restrict__ h,
+                                                                  const bf16* __restrict__ Wgu,
+                                                                  const int32_t* __restrict__ ids, int K, int F, int D) {
+  const int lane = threadIdx.x & 31;
+  const int f = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int tk = blockIdx.y, t = tk / K;
+  if (f >= F) return;
+  const bf16* wg = Wgu + (size_t(ids[tk]) * 2 * F + f) * D;
+  const bf16* wu = wg + size_t(F) * D;
+  const float* x = h + size_t(t) * D;
+  float g = 0.f, u = 0.f;
+  if ((D & 7) == 0) {
+    const int D8 = D >> 3;
+#pragma unroll 4
+    for (int i = lane; i < D8; i += 32) {
+      const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
+      g += dot8(a, x + 8 * i);
+      u += dot8(b, x + 8 * i);
+    }
+  } else {
+    for (int i = lane; i < D; i += 32) {
+      g = fmaf(bf(wg[i]), x[i], g);
+      u = fmaf(bf(wu[i]), x[i], u);
+    }
+  }
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
+}
+
+// grid (ceil(D / kWarps), T): one warp per (t, d), summing over the K selected experts.
+__global__ void __launch_bounds__(kWarps * 32) moe_down_kernel(float* __restrict__ x, const float* __restrict__ act,
+                                                               const bf16* __restrict__ Wd,
+                                                               const int32_t* __restrict__ ids,
+                                                               const float* __restrict__ weights, int K, int D,
+                                                               int F) {
+  const int lane = threadIdx.x & 31;
+  const int d = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int t = blockIdx.y;
+  if (d >= D) return;
+  float total = 0.f;
+  for (int k = 0; k < K; ++k) {
+    const int tk = t * K + k;
+    const bf16* w = Wd + (size_t(ids[tk]) * D + d) * F;
+    total += weights[tk] * warp_dot(w, act + size_t(tk) * F, F, lane);
+  }
+  if (lane == 0) x[size_t(t) * D + d] += total;
+}
+
+__global__ void moe_act_masked_kernel(__nv_bfloat16* act, const float* gu, const int32_t* ids, const float* weights,
+                                      int e, int T, int K, int F) {
+  const size_t n = size_t(T) * F;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t t = i / F, f = i % F;
+    float w = 0.f;
+    for (int k = 0; k < K; ++k)
+      if (ids[t * K + k] == e) w = weights[t * K + k];
+    act[i] = __float2bfloat16_rn(w == 0.f ? 0.f : silu(gu[t * 2 * F + f]) * gu[t * 2 * F + F + f] * w);
+  }
+}
+
+__global__ void kv_append_kernel(__nv_bfloat16* kc, __nv_bfloat16* vc, const float* k, const float* v,
+                                 const int32_t* pos, int row) {
+  const int t = blockIdx.x;
+  const size_t dst = size_t(pos[t]) * row, src = size_t(t) * row;
+  for (int i = threadIdx.x; i < row; i += blockDim.x) {
+    kc[dst + i] = __float2bfloat16_rn(k[src + i]);
+    vc[dst + i] = __float2bfloat16_rn(v[src + i]);
+  }
+}
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnJ = kAttnMaxDh / 32;
+
+// grid (H, n_splits, T), kAttnWarps warps. Warp w takes keys start+w, start+w+4, ... with an
+// online softmax; lane holds dims lane, lane+32, ...; the warps merge in shared memory and the
+// block writes (max, sum, unnormalized acc[Dh]) for its split.
+__global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
+    float* __restrict__ partial, const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, const int32_t* __restrict__ pos, int H, int Hkv, int Dh, int split_len) {
+  const int h = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int n = pos[t] + 1, kvh = h / (H / Hkv);
+  const int start = s * split_len, end = min(n, start + split_len);
+  const float scale = rsqrtf(float(Dh));
+  const size_t stride = size_t(Hkv) * Dh;
+  float qr[kAttnJ], acc[kAttnJ];
+  const float* qh = q + (size_t(t) * H + h) * Dh;
+#pragma unroll
+  for (int j = 0; j < kAttnJ; ++j) {
+    const int d = lane + 32 * j;
+    qr[j] = d < Dh ? qh[d] * scale : 0.f;
+    acc[j] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  for (int key = start + w; key < end; key += kAttnWarps) {
+    const bf16* kp = kc + size_t(key) * stride + size_t(kvh) * Dh;
+    const bf16* vp = vc + size_t(key) * stride + size_t(kvh) * Dh;
+    float sc = 0.f;
+#pragma unroll
+    for (int j = 0; j < kAttnJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d < Dh) sc = fmaf(qr[j], bf(kp[d]), sc);
+    }
+    sc = warp_sum(sc);
+    const float m_new = fmaxf(m, sc);
+    const float corr = expf(m - m_new), p = expf(sc - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int j = 0; j < kAttnJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d < Dh) acc[j] = acc[j] * corr + p * bf(vp[d]);
+    }
+    m = m_new;
+  }
+  __shared__ float sm[kAttnWarps], sl[kAttnWarps], sacc[kAttnWarps][kAttnMaxDh];
+  if (lane == 0) {
+    sm[w] = m;
+    sl[w] = l;
+  }
+#pragma unroll
+  for (int j = 0; j < kAttnJ; ++j) {
+    const int d = lane + 32 * j;
+    if (d < Dh) sacc[w][d] = acc[j];
+  }
+  __syncthreads();
+  float M = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kAttnWarps; ++i) M = fmaxf(M, sm[i]);
+  float* out = partial + ((size_t(t) * H + h) * n_splits + s) * (Dh + 2);
+  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
+    float a = 0.f;
+    for (int i = 0; i < kAttnWarps; ++i)
+      if (sm[i] != -INFINITY) a += sacc[i][d] * expf(sm[i] - M);
+    out[2 + d] = a;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0.f;
+    for (int i = 0; i < kAttnWarps; ++i)
+      if (sm[i] != -INFINITY) L += sl[i] * expf(sm[i] - M);
+    out[0] = M;
+    out[1] = L;
+  }
+}
+
+// grid T*H: merges the splits of one (t, h).
+__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh) {
+  const size_t th = blockIdx.x;
+  const float* p = partial + th * n_splits * (Dh + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, p[size_t(s) * (Dh + 2)]);
+  float L = 0.f;
+  for (int s = 0; s < n_splits; ++s) {
+    const float ms = p[size_t(s) * (Dh + 2)];
+    if (ms != -INFINITY) L += p[size_t(s) * (Dh + 2) + 1] * expf(ms - M);
+  }
+  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
+    float a = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+      const float ms = p[size_t(s) * (Dh + 2)];
+      if (ms != -INFINITY) a += p[size_t(s) * (Dh + 2) + 2 + d] * expf(ms - M);
+    }
+    out[th * Dh + d] = a / L;
+  }
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_random_bf16_kernel(__nv_bfloat16* w, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix64(seed * 0x9e3779b97f4a7c15ull + i);
+    const float u = float(r >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    w[i] = __float2bfloat16_rn((2.f * u - 1.f) * scale);
+  }
+}
+
+__global__ void fill_f32_kernel(float* p, size_t n, float value) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+unsigned grid_for(size_t n, int threads = 256) {
+  const size_t b = (n + threads - 1) / threads;
+  return unsigned(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+}  // namespace
+
+cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  embed_kernel<<<T, 256, 0, s>>>(x, table, ids, D);
+  return cudaGetLastError();
+}
+
+cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, float eps, cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  const int threads = D >= 1024 ? 1024 : (D >= 256 ? 256 : 64);
+  rmsnorm_kernel<<<rows, threads, 0, s>>>(y, x, w, D, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float theta, cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  rope_kernel<<<T, 256, 0, s>>>(x, pos, n_heads, Dh, theta);
+  return cudaGetLastError();
+}
+
+cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s) {
+  add_bias_kernel<<<grid_for(size_t(T) * N), 256, 0, s>>>(x, b, T, N);
+  return cudaGetLastError();
+}
+
+cudaError_t clamp(float* x, size_t n, float c, cudaStream_t s) {
+  clamp_kernel<<<grid_for(n), 256, 0, s>>>(x, n, c);
+  return cudaGetLastError();
+}
+
+cudaError_t silu_mul_gu(float* act, const float* gu, int T, int F, cudaStream_t s) {
+  silu_mul_gu_kernel<<<grid_for(size_t(T) * F), 256, 0, s>>>(act, gu, T, F);
+  return cudaGetLastError();
+}
+
+cudaError_t add_sigmoid_scaled(float* x, const float* y, const float* g, int T, int D, cudaStream_t s) {
+  add_sigmoid_scaled_kernel<<<grid_for(size_t(T) * D), 256, 0, s>>>(x, y, g, T, D);
+  return cudaGetLastError();
+}
+
+cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s) {
+  to_bf16_kernel<<<grid_for(n), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(y), x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s) {
+  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  const unsigned grid = unsigned((N + kWarps - 1) / kWarps);
+  const int threads = kWarps * 32;
+  if (T == 1) gemv_kernel<1><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
+  else if (T == 2) gemv_kernel<2><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
+  else if (T <= 4) gemv_kernel<4><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
+  else gemv_kernel<8><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
+  return cudaGetLastError();
+}
+
+cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
+                       cudaStream_t s) {
+  if (E > kRouteMaxE || K > 32 || K > E) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  route_topk_kernel<<<T, 32, 0, s>>>(ids, weights, logits, E, K, renormalize);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int F, int D,
+                        cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  moe_gate_up_kernel<<<dim3((F + kWarps - 1) / kWarps, T * K), kWarps * 32, 0, s>>>(act, h, Wgu, ids, K, F, D);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
+                     int K, int D, int F, cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  moe_down_kernel<<<dim3((D + kWarps - 1) / kWarps, T), kWarps * 32, 0, s>>>(x, act, Wd, ids, weights, K, D, F);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_act_masked(bf16* act, const float* gu, const int32_t* ids, const float* weights, int e, int T, int K,
+                           int F, cudaStream_t s) {
+  moe_act_masked_kernel<<<grid_for(size_t(T) * F), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(act), gu, ids,
+                                                                 weights, e, T, K, F);
+  return cudaGetLastError();
+}
+
+cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,
+                      cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  kv_append_kernel<<<T, 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(kc), reinterpret_cast<__nv_bfloat16*>(vc), k,
+                                     v, pos, row);
+  return cudaGetLastError();
+}
+
+cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
+                      int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s) {
+  if (Dh > kAttnMaxDh || H % Hkv != 0 || n_splits < 1) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  attention_split_kernel<<<dim3(H, n_splits, T), kAttnWarps * 32, 0, s>>>(partial, q, kc, vc, pos, H, Hkv, Dh,
+                                                                          split_len);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  attention_combine_kernel<<<T * H, Dh < 128 ? 32 : 128, 0, s>>>(out, partial, n_splits, Dh);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s) {
+  fill_random_bf16_kernel<<<grid_for(n), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(w), n, seed, scale);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_f32(float* p, size_t n, float value, cudaStream_t s) {
+  fill_f32_kernel<<<grid_for(n), 256, 0, s>>>(p, n, value);
+  return cudaGetLastError();
+}
+
+}  // namespace tiermoe::cuda

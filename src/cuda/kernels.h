@@ -1,0 +1,81 @@
+// CUDA kernels of the forward pass. Every function takes raw DEVICE pointers, shapes as ints and
+// a stream, launches asynchronously and returns the launch's cudaError_t; none allocates or
+// synchronizes, so a decode step made of them can be captured as a graph. Each has a CPU twin
+// (src/cpu/*.h) it is checked against in tests/cuda/cuda_check.cpp.
+// Shape legend: T tokens, D hidden, H/Hkv heads, Dh head dim, E experts, K top-k, F FFN width.
+// Weights are BF16 (raw bits as uint16_t), activations FP32, accumulation FP32.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace tiermoe::cuda {
+
+using bf16 = uint16_t;  // BF16 bits in device memory
+
+constexpr int kGemvMaxT = 8;      // gemv() handles T <= this; larger T goes to cuBLAS
+constexpr int kRouteMaxE = 256;   // route_topk(): experts per token at most
+constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
+
+// x[T, D] = table[ids[t], D]                                   twin: the CPU embedding copy
+cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s);
+
+// y[rows, D] = x / sqrt(mean(x^2) + eps) * w[D]  (in place allowed)   twin: rmsnorm
+cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, float eps, cudaStream_t s);
+
+// x[T, n_heads, Dh] rotated in place (rotate-half) at positions pos[T]   twin: rope
+cudaError_t rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float theta, cudaStream_t s);
+
+// x[T, N] += b[N]                                               twin: add_bias
+cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s);
+// x[n] = clamp(x[n], -c, c)                                     twin: clamp
+cudaError_t clamp(float* x, size_t n, float c, cudaStream_t s);
+
+// act[T, F] = silu(gu[T, 0:F]) * gu[T, F:2F]  (gate and up rows stacked in one projection)
+cudaError_t silu_mul_gu(float* act, const float* gu, int T, int F, cudaStream_t s);
+
+// x[T, D] += sigmoid(g[T]) * y[T, D]   (Qwen2-MoE shared expert)
+cudaError_t add_sigmoid_scaled(float* x, const float* y, const float* g, int T, int D, cudaStream_t s);
+
+// y[n] = bf16(x[n])
+cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s);
+
+// y[T, N] (= or +=) x[T, K] @ W[N, K]^T for T <= kGemvMaxT: memory-bound GEMV, one warp per
+// output row, 16-byte weight loads when K % 8 == 0.             twin: matmul / matmul_add
+cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s);
+
+// Router: per token, softmax over logits[T, E] in FP32, top-k (ties: lower index), weights
+// renormalized when asked. ids[T, K], weights[T, K], descending.   twin: route_softmax_topk
+cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
+                       cudaStream_t s);
+
+// Small-batch MoE, reading only the selected experts (ids/weights straight from route_topk):
+// act[T, K, F] = silu(Wgu[e, 0:F] h_t) * (Wgu[e, F:2F] h_t), e = ids[t, k]; Wgu[E, 2F, D].
+cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int F, int D,
+                        cudaStream_t s);
+// x[T, D] += sum_k weights[t, k] * Wd[e] act[t, k]; Wd[E, D, F]. Residual add included.
+cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
+                     int K, int D, int F, cudaStream_t s);
+
+// Large-batch MoE helper, for expert e: act[T, F] = bf16(silu(gu[t, 0:F]) * gu[t, F:2F] * w_te),
+// w_te the routing weight of e for token t (0 when t did not pick e).
+cudaError_t moe_act_masked(bf16* act, const float* gu, const int32_t* ids, const float* weights, int e, int T, int K,
+                           int F, cudaStream_t s);
+
+// KV cache rows [capacity, Hkv, Dh] in BF16: row pos[t] <- k[t], v[t] (row = Hkv*Dh values).
+cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,
+                      cudaStream_t s);
+
+// Causal GQA attention, split over keys: query t (head h) sees cache rows 0 .. pos[t].
+// q[T, H, Dh] -> out[T, H, Dh]. Keys are cut into n_splits chunks of split_len (n_splits *
+// split_len must cover max(pos) + 1); partial[T, H, n_splits, Dh + 2] is scratch.
+//                                                                twin: attention_causal
+cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
+                      int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s);
+
+// w[n] = uniform(-scale, scale) from a counter hash of (seed, i); for dummy weights.
+cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s);
+cudaError_t fill_f32(float* p, size_t n, float value, cudaStream_t s);
+
+}  // namespace tiermoe::cuda

@@ -1,0 +1,403 @@
+// GPU correctness in one program (needs a CUDA GPU; not part of the CPU suite):
+//  1. every CUDA kernel against its CPU twin on a table of cases (odd sizes, T=1, up to 256
+//     experts, top-k up to 8, ties), scored by ||gpu - cpu|| / ||cpu||; top-k ids exact;
+//  2. end to end: tinymix-code and every golden fixture, CUDA backend vs CPU backend (logits
+//     at every prompt position, then 32 greedy steps through each backend's own KV cache),
+//     and tinymix's long-context logits vs the transformers reference;
+//  3. a GEMV bandwidth figure.
+// Prints one line per case and a summary; exit status 1 when any case fails.
+// Usage: tiermoe_cuda_check [--kernels-only]
+//        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R]
+//   the same measurement and JSON as `tiermoe bench --backend cuda [--load-format dummy]`, for
+//   machines without the CLI's tokenizer libraries.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "cli/bench_core.h"
+#include "core/dtype.h"
+#include "cpu/attention.h"
+#include "cpu/matmul.h"
+#include "cpu/ops.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/kernels.h"
+#include "engine/sampler.h"
+#include "test_util.h"
+
+using namespace tiermoe;
+namespace cu = tiermoe::cuda;
+
+namespace {
+
+int g_fail = 0, g_cases = 0;
+std::mt19937 rng(20261129);
+
+#define CK(expr)                                                                                  \
+  do {                                                                                            \
+    cudaError_t e_ = (expr);                                                                      \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+void report(const std::string& name, double err, double tol, const std::string& extra = "") {
+  const bool ok = err <= tol && !std::isnan(err);
+  ++g_cases;
+  if (!ok) ++g_fail;
+  std::printf("%-6s %-58s err %.3e (tol %.0e) %s\n", ok ? "ok" : "FAIL", name.c_str(), err, tol, extra.c_str());
+  std::fflush(stdout);
+}
+
+std::vector<float> randn(size_t n, float scale = 1.f) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
+  std::vector<uint16_t> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = f32_to_bf16(v[i]);
+  return o;
+}
+
+// A device buffer poisoned with NaN before each use, so unwritten outputs show.
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t n_) : n(n_) { CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T))); poison(); }
+  Dev(const std::vector<T>& h) : Dev(h.size()) { CK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
+  ~Dev() { cudaFree(p); }
+  void poison() { CK(cudaMemset(p, 0xff, std::max<size_t>(n, 1) * sizeof(T))); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+double rel(const std::vector<float>& a, const std::vector<float>& b) { return test::rel_l2(a.data(), b.data(), b.size()); }
+
+std::string fmt(const char* f, auto... a) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, f, a...);
+  return buf;
+}
+
+void check_gemv() {
+  struct C { int T, N, K; bool acc; };
+  for (C c : {C{1, 1, 8, false}, C{1, 37, 64, false}, C{1, 129, 100, false}, C{3, 64, 2048, false}, C{8, 300, 512, true},
+              C{5, 17, 33, true}, C{2, 1000, 4096, false}, C{1, 513, 14336, true}}) {
+    auto x = randn(size_t(c.T) * c.K), w = randn(size_t(c.N) * c.K, 0.05f), y0 = randn(size_t(c.T) * c.N);
+    auto wb = bf16_of(w);
+    std::vector<float> ref = y0;
+    if (c.acc) matmul_add(ref.data(), x.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
+    else matmul(ref.data(), x.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
+    Dev<float> dx(x), dy(y0);
+    Dev<uint16_t> dw(wb);
+    if (!c.acc) dy.poison();
+    CK(cu::gemv(dy.p, dx.p, dw.p, c.T, c.N, c.K, c.acc, 0));
+    report(fmt("gemv T=%d N=%d K=%d%s", c.T, c.N, c.K, c.acc ? " +=" : ""), rel(dy.get(), ref), 1e-5);
+  }
+}
+
+void check_rmsnorm_rope_misc() {
+  for (auto [rows, D] : {std::pair{1, 64}, {7, 2048}, {3, 100}, {64, 16}}) {
+    auto x = randn(size_t(rows) * D, 3.f), w = randn(D);
+    std::vector<float> ref(x.size());
+    rmsnorm(ref.data(), x.data(), w.data(), rows, D, 1e-6f);
+    Dev<float> dx(x), dw(w), dy(x.size());
+    CK(cu::rmsnorm(dy.p, dx.p, dw.p, rows, D, 1e-6f, 0));
+    report(fmt("rmsnorm rows=%d D=%d", rows, D), rel(dy.get(), ref), 1e-5);
+  }
+  struct R { int T, heads, Dh; float theta; int maxpos; };
+  for (R r : {R{1, 4, 16, 1e4f, 10}, R{5, 32, 128, 1e6f, 40000}, R{9, 3, 64, 5e5f, 4096}}) {
+    auto x = randn(size_t(r.T) * r.heads * r.Dh);
+    std::vector<int32_t> pos(r.T);
+    for (auto& p : pos) p = int(rng() % uint32_t(r.maxpos));
+    std::vector<float> ref = x;
+    rope(ref.data(), pos.data(), r.T, r.heads, r.Dh, r.theta);
+    Dev<float> dx(x);
+    Dev<int32_t> dp(pos);
+    CK(cu::rope(dx.p, dp.p, r.T, r.heads, r.Dh, r.theta, 0));
+    report(fmt("rope T=%d heads=%d Dh=%d theta=%.0e pos<%d", r.T, r.heads, r.Dh, r.theta, r.maxpos), rel(dx.get(), ref),
+           2e-5);
+  }
+  {
+    const int T = 3, F = 37;
+    auto gu = randn(size_t(T) * 2 * F, 2.f);
+    std::vector<float> g(T * F), u(T * F), ref(T * F);
+    for (int t = 0; t < T; ++t)
+      for (int f = 0; f < F; ++f) g[t * F + f] = gu[t * 2 * F + f], u[t * F + f] = gu[t * 2 * F + F + f];
+    silu_mul(ref.data(), g.data(), u.data(), T, F);
+    Dev<float> dgu(gu), da(size_t(T) * F);
+    CK(cu::silu_mul_gu(da.p, dgu.p, T, F, 0));
+    report("silu_mul_gu T=3 F=37", rel(da.get(), ref), 1e-6);
+  }
+  {
+    const int T = 4, V = 50, D = 24;
+    auto table = randn(size_t(V) * D);
+    auto tb = bf16_of(table);
+    std::vector<int32_t> ids = {3, 49, 0, 3};
+    std::vector<float> ref(T * D);
+    for (int t = 0; t < T; ++t)
+      for (int d = 0; d < D; ++d) ref[t * D + d] = bf16_to_f32(tb[ids[t] * D + d]);
+    Dev<uint16_t> dt(tb);
+    Dev<int32_t> di(ids);
+    Dev<float> dx(size_t(T) * D);
+    CK(cu::embed(dx.p, dt.p, di.p, T, D, 0));
+    report("embed T=4 V=50 D=24", rel(dx.get(), ref), 0);
+  }
+}
+
+void check_route() {
+  struct C { int T, E, K; bool renorm, ties; };
+  for (C c : {C{1, 8, 2, true, false}, C{5, 64, 8, true, false}, C{3, 256, 8, false, false}, C{2, 16, 4, false, false},
+              C{1, 128, 8, true, false}, C{4, 60, 6, true, true}, C{2, 256, 8, false, true}, C{1, 8, 8, true, true},
+              C{3, 33, 1, false, true}}) {
+    auto logits = randn(size_t(c.T) * c.E, 2.f);
+    if (c.ties)  // few distinct values: many exact ties, lower index must win
+      for (auto& l : logits) l = std::round(l);
+    std::vector<int32_t> ids(size_t(c.T) * c.K);
+    std::vector<float> w(ids.size());
+    for (int t = 0; t < c.T; ++t)
+      route_softmax_topk(logits.data() + t * c.E, c.E, c.K, c.renorm, ids.data() + t * c.K, w.data() + t * c.K);
+    Dev<float> dl(logits), dw(ids.size());
+    Dev<int32_t> di(ids.size());
+    CK(cu::route_topk(di.p, dw.p, dl.p, c.T, c.E, c.K, c.renorm, 0));
+    const auto gi = di.get();
+    int wrong = 0;
+    for (size_t i = 0; i < ids.size(); ++i) wrong += gi[i] != ids[i];
+    report(fmt("route_topk T=%d E=%d K=%d renorm=%d%s", c.T, c.E, c.K, int(c.renorm), c.ties ? " ties" : ""),
+           rel(dw.get(), w), 1e-5, fmt("ids %s", wrong ? "DIFFER" : "exact"));
+    if (wrong) ++g_fail;
+  }
+}
+
+void check_moe() {
+  struct C { int T, E, K, D, F; };
+  for (C c : {C{1, 8, 2, 64, 32}, C{3, 256, 8, 48, 8}, C{1, 128, 8, 2048, 768}, C{2, 16, 4, 100, 36}, C{8, 64, 8, 64, 32},
+              C{1, 8, 2, 4096, 1024}}) {
+    auto h = randn(size_t(c.T) * c.D), gu = randn(size_t(c.E) * 2 * c.F * c.D, 0.05f),
+         dn = randn(size_t(c.E) * c.D * c.F, 0.05f), x0 = randn(size_t(c.T) * c.D);
+    auto gub = bf16_of(gu), dnb = bf16_of(dn);
+    std::vector<int32_t> ids(size_t(c.T) * c.K);
+    std::vector<float> w(ids.size());
+    for (int t = 0; t < c.T; ++t) {
+      auto lg = randn(c.E);
+      route_softmax_topk(lg.data(), c.E, c.K, true, ids.data() + t * c.K, w.data() + t * c.K);
+    }
+    // CPU twin: per (t, k) the expert MLP with the CPU matmul, weighted sum, residual add.
+    std::vector<float> ref = x0, g(c.F), u(c.F), a(c.F), y(c.D);
+    for (int t = 0; t < c.T; ++t)
+      for (int k = 0; k < c.K; ++k) {
+        const int e = ids[t * c.K + k];
+        const uint16_t* wg = gub.data() + size_t(e) * 2 * c.F * c.D;
+        matmul(g.data(), h.data() + t * c.D, wg, DType::BF16, 1, c.F, c.D);
+        matmul(u.data(), h.data() + t * c.D, wg + size_t(c.F) * c.D, DType::BF16, 1, c.F, c.D);
+        silu_mul(a.data(), g.data(), u.data(), 1, c.F);
+        matmul(y.data(), a.data(), dnb.data() + size_t(e) * c.D * c.F, DType::BF16, 1, c.D, c.F);
+        for (int d = 0; d < c.D; ++d) ref[t * c.D + d] += w[t * c.K + k] * y[d];
+      }
+    Dev<float> dh(h), dx(x0), dact(size_t(c.T) * c.K * c.F), dwt(w);
+    Dev<uint16_t> dgu(gub), ddn(dnb);
+    Dev<int32_t> di(ids);
+    CK(cu::moe_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.F, c.D, 0));
+    CK(cu::moe_down(dx.p, dact.p, ddn.p, di.p, dwt.p, c.T, c.K, c.D, c.F, 0));
+    report(fmt("moe_gate_up+moe_down T=%d E=%d K=%d D=%d F=%d", c.T, c.E, c.K, c.D, c.F), rel(dx.get(), ref), 1e-5);
+  }
+}
+
+void check_attention() {
+  struct C { int T, past, H, Hkv, Dh, split; };
+  for (C c : {C{1, 0, 4, 2, 16, 256}, C{1, 1000, 32, 4, 128, 256}, C{7, 33, 4, 2, 16, 8}, C{40, 300, 8, 8, 64, 64},
+              C{1, 4095, 16, 16, 128, 256}, C{3, 17, 6, 3, 96, 5}, C{1, 5, 2, 1, 256, 256}}) {
+    const int n = c.past + c.T, row = c.Hkv * c.Dh;
+    auto q = randn(size_t(c.T) * c.H * c.Dh), k = randn(size_t(n) * row), v = randn(size_t(n) * row);
+    auto kb = bf16_of(k), vb = bf16_of(v);
+    std::vector<float> ref(q.size());
+    attention_causal(ref.data(), q.data(), kb.data(), vb.data(), DType::BF16, c.T, c.past, c.H, c.Hkv, c.Dh);
+    // GPU: the cache holds the first `past` rows; the T new rows go through kv_append.
+    std::vector<float> knew(k.begin() + size_t(c.past) * row, k.end()), vnew(v.begin() + size_t(c.past) * row, v.end());
+    std::vector<uint16_t> kc(size_t(n) * row, 0xffff), vc(size_t(n) * row, 0xffff);
+    std::copy_n(kb.begin(), size_t(c.past) * row, kc.begin());
+    std::copy_n(vb.begin(), size_t(c.past) * row, vc.begin());
+    std::vector<int32_t> pos(c.T);
+    for (int t = 0; t < c.T; ++t) pos[t] = c.past + t;
+    const int n_splits = (n + c.split - 1) / c.split;
+    Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
+    Dev<uint16_t> dkc(kc), dvc(vc);
+    Dev<int32_t> dp(pos);
+    CK(cu::kv_append(dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, row, 0));
+    CK(cu::attention(dout.p, dq.p, dkc.p, dvc.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, c.split, part.p, 0));
+    report(fmt("kv_append+attention T=%d past=%d H=%d Hkv=%d Dh=%d splits=%d", c.T, c.past, c.H, c.Hkv, c.Dh, n_splits),
+           rel(dout.get(), ref), 1e-5);
+  }
+}
+
+double gemv_bandwidth(int N, int K) {
+  const int sets = 8;  // rotate weight sets (more than the 50 MB L2)
+  std::vector<Dev<uint16_t>*> ws;
+  for (int i = 0; i < sets; ++i) {
+    ws.push_back(new Dev<uint16_t>(size_t(N) * K));
+    CK(cu::fill_random_bf16(ws.back()->p, size_t(N) * K, i + 1, 0.05f, 0));
+  }
+  auto xh = randn(K);
+  Dev<float> x(xh), y(N);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 20; ++i) CK(cu::gemv(y.p, x.p, ws[i % sets]->p, 1, N, K, false, 0));
+  const int iters = 200;
+  CK(cudaEventRecord(a));
+  for (int i = 0; i < iters; ++i) CK(cu::gemv(y.p, x.p, ws[i % sets]->p, 1, N, K, false, 0));
+  CK(cudaEventRecord(b));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  for (auto* w : ws) delete w;
+  const double us = ms * 1e3 / iters;
+  std::printf("gemv N=%d K=%d T=1: %.1f us per call (launches back to back), %.0f GB/s of weights\n", N, K, us,
+              double(N) * K * 2 / (us * 1e-6) / 1e9);
+  return us;
+}
+
+// CUDA backend vs CPU backend on one model.
+void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps) {
+  auto w = load_weights(dir);
+  const int V = w->cfg.vocab_size, T = int(prompt.size());
+  auto cpu = make_cpu_backend(*w);
+  auto gpu = make_cuda_backend(*w);
+  auto cc = cpu->new_cache(), gc = gpu->new_cache();
+  std::vector<float> lc(size_t(T) * V), lg(size_t(T) * V);
+  cpu->forward(prompt, *cc, T, lc.data());
+  gpu->forward(prompt, *gc, T, lg.data());
+  double worst = 0;
+  for (int t = 0; t < T; ++t) worst = std::max(worst, test::rel_l2(&lg[size_t(t) * V], &lc[size_t(t) * V], V));
+  const std::string dt(dtype_name(w->cfg.dtype));
+  report(fmt("%s (%s) prefill T=%d logits, worst position", name.c_str(), dt.c_str(), T), worst, 2e-2);
+
+  // Greedy: each backend continues its own sequence; logits compared while they agree.
+  std::vector<float> a(lc.end() - V, lc.end()), b(lg.end() - V, lg.end());
+  int agree = 0;
+  double worst_step = 0, margin_at_split = -1;
+  bool split = false;
+  for (int s = 0; s < steps; ++s) {
+    const int32_t ta = argmax(a), tb = argmax(b);
+    if (ta != tb) {
+      std::vector<float> sorted = a;
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      margin_at_split = sorted[0] - sorted[1];
+      split = true;
+      break;
+    }
+    ++agree;
+    cpu->forward(std::span(&ta, 1), *cc, 1, a.data());
+    gpu->forward(std::span(&tb, 1), *gc, 1, b.data());
+    worst_step = std::max(worst_step, test::rel_l2(b.data(), a.data(), V));
+  }
+  report(fmt("%s decode %d greedy steps (CUDA graph), worst step logits", name.c_str(), steps), worst_step, 2e-2,
+         split ? fmt("tokens agree %d/%d (CPU top-2 margin %.4f at the split)", agree, steps, margin_at_split)
+               : fmt("tokens agree %d/%d", agree, steps));
+  if (split) ++g_fail;
+}
+
+}  // namespace
+
+int bench_main(int argc, char** argv) {
+  std::string config, model;
+  int ctx = 512, gen = 128, repeats = 3;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--config") config = v;
+    else if (k == "--model") model = v;
+    else if (k == "--ctx") ctx = std::stoi(v);
+    else if (k == "--gen") gen = std::stoi(v);
+    else if (k == "--repeats") repeats = std::stoi(v);
+    else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
+  }
+  ModelConfig cfg;
+  std::unique_ptr<ModelWeights> w;
+  std::unique_ptr<Backend> b;
+  if (!config.empty()) {
+    cfg = parse_config(test::read_file(config), config);
+    b = make_cuda_backend_dummy(cfg);
+  } else {
+    w = load_weights(model);
+    cfg = w->cfg;
+    b = make_cuda_backend(*w);
+  }
+  const double bw = cuda_copy_bandwidth();
+  nlohmann::json out = bench_stream(*b, cfg, ctx, gen, repeats);
+  out["device"] = cuda_device_name();
+  out["kv"] = "bf16";
+  out["load_format"] = config.empty() ? "auto" : "dummy";
+  out["config"] = config.empty() ? std::filesystem::path(model).filename().string()
+                                 : std::filesystem::path(config).filename().string();
+  if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS")) out["env"] = std::string("TIERMOE_CUDA_GRAPHS=") + e;
+  add_floor(out, cfg, bw);
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
+  const bool kernels_only = argc > 1 && std::strcmp(argv[1], "--kernels-only") == 0;
+  std::printf("device: %s\n", cuda_device_name().c_str());
+  std::printf("== kernels vs CPU twins ==\n");
+  check_gemv();
+  check_rmsnorm_rope_misc();
+  check_route();
+  check_moe();
+  check_attention();
+  if (!kernels_only) {
+    std::printf("== models: CUDA backend vs CPU backend ==\n");
+    const std::string tiny = test::tinymix_dir();
+    if (std::filesystem::exists(tiny + "/model-00001-of-00007.safetensors")) {
+      Checkpoint ref = Checkpoint::open_file(tiny + "/reference.safetensors");
+      check_model("tinymix-code", tiny, test::ints(ref.get("short_ids")), 32);
+      // Long context (chunked prefill, split attention) against transformers' FP32 logits.
+      const auto ids = test::ints(ref.get("long_ids"));
+      const auto positions = test::ints(ref.get("long_positions"));
+      const auto expected = test::floats(ref.get("long_logits"));
+      auto w = load_weights(tiny);
+      auto gpu = make_cuda_backend(*w);
+      auto gc = gpu->new_cache();
+      const int V = w->cfg.vocab_size, T = int(ids.size());
+      std::vector<float> lg(size_t(T) * V);
+      gpu->forward(ids, *gc, T, lg.data());
+      double worst = 0;
+      for (size_t i = 0; i < positions.size(); ++i)
+        worst = std::max(worst, test::rel_l2(&lg[size_t(positions[i]) * V], &expected[i * V], V));
+      report(fmt("tinymix-code long context T=%d vs transformers, %zu positions", T, positions.size()), worst, 2e-2);
+    } else {
+      std::printf("FAIL   tinymix-code shards missing: run scripts/unpack_model.sh\n");
+      ++g_fail;
+    }
+    std::vector<std::string> names;
+    for (auto& e : std::filesystem::directory_iterator(test::repo_path("tests/fixtures/models")))
+      if (e.is_directory()) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    for (const auto& n : names) {
+      const std::string dir = test::repo_path("tests/fixtures/models/" + n);
+      Checkpoint ref = Checkpoint::open_file(dir + "/reference.safetensors");
+      check_model(n, dir, test::ints(ref.get("ids")), 32);
+    }
+  }
+  std::printf("== timing ==\n");
+  gemv_bandwidth(14336, 4096);
+  gemv_bandwidth(4096, 14336);
+  gemv_bandwidth(2048, 2048);
+  std::printf("== %d cases, %d failed ==\n", g_cases, g_fail);
+  return g_fail ? 1 : 0;
+}
