@@ -56,7 +56,7 @@ struct HttpServer::Impl {
     SeqRequest s;
     const Tokenizer& tok = engine.tokenizer();
     const ModelConfig& cfg = engine.config();
-    s.stop_ids = cfg.eos_token_ids;
+    if (!r.ignore_eos) s.stop_ids = cfg.eos_token_ids;
     s.stop = r.stop;
     if (r.chat) {
       std::string text;

@@ -197,6 +197,7 @@ ApiRequest parse_api_request(const std::string& text, bool chat) {
     std::erase_if(r.stop, [](const std::string& x) { return x.empty(); });
   }
   r.stream = boolean(body, "stream").value_or(false);
+  r.ignore_eos = boolean(body, "ignore_eos").value_or(false);
   if (const json* so = field(body, "stream_options")) {
     if (!so->is_object()) wrong_type("stream_options", "an object", *so);
     r.include_usage = boolean(*so, "include_usage").value_or(false);

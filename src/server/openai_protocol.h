@@ -36,6 +36,7 @@ struct ApiRequest {
   std::optional<int64_t> seed;
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
+  bool ignore_eos = false;  // vLLM's extension: generate max_tokens tokens (benchmarks)
 };
 
 // Parses an HTTP body for /v1/completions (chat = false) or /v1/chat/completions.

@@ -221,9 +221,12 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   };
   for (size_t i = running.size(); i-- > 0;)
     if (running[i]->out->cancelled()) {
-      running[i]->out->finish("cancelled", running[i]->generated);
+      auto out = running[i]->out;
+      const int generated = running[i]->generated;
       ++metrics_.cancelled_total;
       retire(i);
+      publish_gauges(running);
+      out->finish("cancelled", generated);
     }
   if (running.empty()) return;
 
@@ -256,6 +259,12 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
 
   const auto now = Clock::now();
   const int ctx = engine_.config().max_position_embeddings;
+  struct Finished {
+    std::shared_ptr<SeqStream> out;
+    std::string reason;
+    int generated;
+  };
+  std::vector<Finished> finished;
   for (size_t r = 0; r < with_logits.size(); ++r) {
     Seq& s = *with_logits[r];
     const int32_t id = s.sampler.sample(std::span(logits.data() + r * size_t(V), size_t(V)));
@@ -281,13 +290,16 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       s.next = id;
     }
     if (!reason.empty()) {
-      s.out->finish(reason, s.generated);
+      finished.push_back({s.out, reason, s.generated});
       metrics_.e2e.observe(seconds(now - s.arrival));
       s.next = -1;  // marks it for retirement below
     }
   }
   for (size_t i = running.size(); i-- > 0;)
     if (running[i]->decoding() && running[i]->next < 0) retire(i);
+  // Clients hear that they are done only once their KV is freed and the gauges say so.
+  publish_gauges(running);
+  for (auto& f : finished) f.out->finish(f.reason, f.generated);
 }
 
 }  // namespace tiermoe
