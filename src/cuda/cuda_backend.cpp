@@ -319,6 +319,7 @@ class CudaBackend final : public Backend {
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
   float* h_logits_ = nullptr;
   static constexpr int kPinnedLogitRows = 8;
+  static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
 
   cudaGraphExec_t graph_exec_ = nullptr;
   struct GraphKey {
@@ -351,9 +352,10 @@ void CudaBackend::alloc_workspace() {
   pos_ = dalloc<int32_t>(owned_, size_t(Tm));
   xb_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
   actb_ = dalloc<bf16>(owned_, size_t(Tm) * F);
-  // Attention partials: up to 32 splits for a prompt chunk, or one per 256 keys at T <= 8.
+  // Attention partials: up to 32 splits for a prompt chunk, or one per kDecodeSplit keys at T <= 8.
   const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 16;
-  partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + 255) / 256 * 2)) * H * (Dh + 2);
+  partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
+                 H * (Dh + 2);
   partial_ = dalloc<float>(owned_, partial_cap_);
   CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
@@ -507,9 +509,13 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
     CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
-    linear(q_, h_, L.q, T, false);
-    linear(k_, h_, L.k, T, false);
-    linear(v_, h_, L.v, T, false);
+    if (T <= cuda::kGemvMaxT) {
+      CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, h_, T, D, stream_));
+    } else {
+      linear(q_, h_, L.q, T, false);
+      linear(k_, h_, L.k, T, false);
+      linear(v_, h_, L.v, T, false);
+    }
     if (cfg_.qkv_bias) {
       CUDA_CK(cuda::add_bias(q_, L.q_bias, T, H * Dh, stream_));
       CUDA_CK(cuda::add_bias(k_, L.k_bias, T, Hkv * Dh, stream_));
@@ -527,8 +533,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       CUDA_CK(cuda::rmsnorm(q_, q_, L.q_norm, T * H, Dh, eps, stream_));
       CUDA_CK(cuda::rmsnorm(k_, k_, L.k_norm, T * Hkv, Dh, eps, stream_));
     }
-    CUDA_CK(cuda::rope(q_, pos_, T, H, Dh, cfg_.rope_theta, stream_));
-    CUDA_CK(cuda::rope(k_, pos_, T, Hkv, Dh, cfg_.rope_theta, stream_));
+    CUDA_CK(cuda::rope_qk(q_, k_, pos_, T, H, Hkv, Dh, cfg_.rope_theta, stream_));
     for (size_t t = 0; const Piece& p : pieces) {
       CUDA_CK(cuda::kv_append(p.cache->k(l), p.cache->v(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n,
                               Hkv * Dh, stream_));
@@ -569,11 +574,11 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
       h_ids_[T + i] = s.tokens[i];
       h_pos_[T + i] = len + i;
     }
-    Piece p{cache, n, s.n_logits, 0, 256};
-    const int keys = len + n, max_splits = (cache->capacity() + 255) / 256;
+    Piece p{cache, n, s.n_logits, 0, kDecodeSplit};
+    const int keys = len + n, max_splits = (cache->capacity() + kDecodeSplit - 1) / kDecodeSplit;
     if (n <= cuda::kGemvMaxT) {
       p.n_splits = 1;  // a power of two, so that a captured decode step stays valid for many steps
-      while (p.n_splits * 256 < keys) p.n_splits *= 2;
+      while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;
       p.n_splits = std::min(p.n_splits, max_splits);
     } else {
       p.n_splits = std::min(32, (keys + 255) / 256);

@@ -41,19 +41,6 @@ __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
 
 __device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// One warp: dot of a BF16 row w[K] with FP32 x[K].
-__device__ __forceinline__ float warp_dot(const bf16* __restrict__ w, const float* __restrict__ x, int K, int lane) {
-  float s = 0.f;
-  if ((K & 7) == 0) {
-    const int K8 = K >> 3;
-#pragma unroll 4
-    for (int i = lane; i < K8; i += 32) s += dot8(ldg16(w + 8 * i), x + 8 * i);
-  } else {
-    for (int i = lane; i < K; i += 32) s = fmaf(bf(w[i]), x[i], s);
-  }
-  return warp_sum(s);
-}
-
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 constexpr int kWarps = 8;  // rows per block in the GEMV-style kernels
@@ -99,6 +86,21 @@ __global__ void rope_kernel(float* x, const int32_t* pos, int n_heads, int Dh, f
   }
 }
 
+__global__ void rope_qk_kernel(float* q, float* k, const int32_t* pos, int H, int Hkv, int Dh, float theta) {
+  const int t = blockIdx.x, half = Dh / 2;
+  const float p = float(pos[t]);
+  for (int i = threadIdx.x; i < (H + Hkv) * half; i += blockDim.x) {
+    const int h = i / half, j = i % half;
+    const float inv_freq = 1.0f / powf(theta, float(2 * j) / float(Dh));
+    float sn, cs;
+    sincosf(inv_freq * p, &sn, &cs);
+    float* v = h < H ? q + (size_t(t) * H + h) * Dh : k + (size_t(t) * Hkv + (h - H)) * Dh;
+    const float a = v[j], b = v[j + half];
+    v[j] = a * cs - b * sn;
+    v[j + half] = b * cs + a * sn;
+  }
+}
+
 __global__ void add_bias_kernel(float* x, const float* b, int T, int N) {
   const size_t n = size_t(T) * N;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
@@ -129,14 +131,12 @@ __global__ void to_bf16_kernel(__nv_bfloat16* y, const float* x, size_t n) {
     y[i] = __float2bfloat16_rn(x[i]);
 }
 
-// One warp per output row n; TT accumulators (T <= TT), weights read once for all T rows of x.
+// One warp computes output row n of y[T, N] = x[T, K] W[N, K]^T; TT accumulators (T <= TT),
+// the weight row read once for all T rows of x.
 template <int TT>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
-                                                           const bf16* __restrict__ W, int T, int N, int K,
-                                                           bool accumulate) {
-  const int lane = threadIdx.x & 31;
-  const int n = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (n >= N) return;
+__device__ __forceinline__ void gemv_row(float* __restrict__ y, const float* __restrict__ x,
+                                         const bf16* __restrict__ W, int T, int N, int K, bool accumulate, int n,
+                                         int lane) {
   const bf16* w = W + size_t(n) * K;
   float acc[TT];
 #pragma unroll
@@ -167,6 +167,36 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y
       *dst = accumulate ? *dst + s : s;
     }
   }
+}
+
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
+                                                           const bf16* __restrict__ W, int T, int N, int K,
+                                                           bool accumulate) {
+  const int n = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (n < N) gemv_row<TT>(y, x, W, T, N, K, accumulate, n, threadIdx.x & 31);
+}
+
+// Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
+struct GemvSegs {
+  float* y[3];
+  const bf16* W[3];
+  int N[3];
+  int end_block[3];
+};
+
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
+                                                            int K) {
+  const int b = blockIdx.x;
+  const int s = b < segs.end_block[0] ? 0 : (b < segs.end_block[1] ? 1 : 2);
+  const int first = s == 0 ? 0 : (s == 1 ? segs.end_block[0] : segs.end_block[1]);
+  // Selected with constant indices: a run-time index into the parameter arrays would put them in local memory.
+  float* y = s == 0 ? segs.y[0] : (s == 1 ? segs.y[1] : segs.y[2]);
+  const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
+  const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
+  const int n = (b - first) * kWarps + (threadIdx.x >> 5);
+  if (n < N) gemv_row<TT>(y, x, W, T, N, K, false, n, threadIdx.x & 31);
 }
 
 // One warp per token. Each lane holds experts lane, lane+32, ...
@@ -266,12 +296,29 @@ __global__ void __launch_bounds__(kWarps * 32) moe_down_kernel(float* __restrict
   const int d = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int t = blockIdx.y;
   if (d >= D) return;
-  float total = 0.f;
-  for (int k = 0; k < K; ++k) {
-    const int tk = t * K + k;
-    const bf16* w = Wd + (size_t(ids[tk]) * D + d) * F;
-    total += weights[tk] * warp_dot(w, act + size_t(tk) * F, F, lane);
+  float part = 0.f;  // this lane's share of sum_k w_k * dot(Wd[e_k][d], act[t, k])
+  if ((F & 7) == 0) {
+    const int F8 = F >> 3;
+    for (int k = 0; k < K; ++k) {
+      const int tk = t * K + k;
+      const bf16* w = Wd + (size_t(ids[tk]) * D + d) * F;
+      const float* a = act + size_t(tk) * F;
+      float s = 0.f;
+#pragma unroll 4
+      for (int i = lane; i < F8; i += 32) s += dot8(ldg16(w + 8 * i), a + 8 * i);
+      part = fmaf(weights[tk], s, part);
+    }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      const int tk = t * K + k;
+      const bf16* w = Wd + (size_t(ids[tk]) * D + d) * F;
+      const float* a = act + size_t(tk) * F;
+      float s = 0.f;
+      for (int i = lane; i < F; i += 32) s = fmaf(bf(w[i]), a[i], s);
+      part = fmaf(weights[tk], s, part);
+    }
   }
+  const float total = warp_sum(part);
   if (lane == 0) x[size_t(t) * D + d] += total;
 }
 
@@ -437,6 +484,13 @@ cudaError_t rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float
   return cudaGetLastError();
 }
 
+cudaError_t rope_qk(float* q, float* k, const int32_t* pos, int T, int H, int Hkv, int Dh, float theta,
+                    cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  rope_qk_kernel<<<T, 256, 0, s>>>(q, k, pos, H, Hkv, Dh, theta);
+  return cudaGetLastError();
+}
+
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s) {
   add_bias_kernel<<<grid_for(size_t(T) * N), 256, 0, s>>>(x, b, T, N);
   return cudaGetLastError();
@@ -470,6 +524,23 @@ cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, b
   else if (T == 2) gemv_kernel<2><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
   else if (T <= 4) gemv_kernel<4><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
   else gemv_kernel<8><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
+  return cudaGetLastError();
+}
+
+cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
+                  int N2, const float* x, int T, int K, cudaStream_t s) {
+  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}};
+  int end = 0;
+  for (int i = 0; i < 3; ++i) {
+    end += (g.N[i] + kWarps - 1) / kWarps;
+    g.end_block[i] = end;
+  }
+  const int threads = kWarps * 32;
+  if (T == 1) gemv3_kernel<1><<<end, threads, 0, s>>>(g, x, T, K);
+  else if (T == 2) gemv3_kernel<2><<<end, threads, 0, s>>>(g, x, T, K);
+  else if (T <= 4) gemv3_kernel<4><<<end, threads, 0, s>>>(g, x, T, K);
+  else gemv3_kernel<8><<<end, threads, 0, s>>>(g, x, T, K);
   return cudaGetLastError();
 }
 

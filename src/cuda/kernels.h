@@ -27,6 +27,10 @@ cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, f
 // x[T, n_heads, Dh] rotated in place (rotate-half) at positions pos[T]   twin: rope
 cudaError_t rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float theta, cudaStream_t s);
 
+// rope() on q[T, H, Dh] and k[T, Hkv, Dh] in one launch
+cudaError_t rope_qk(float* q, float* k, const int32_t* pos, int T, int H, int Hkv, int Dh, float theta,
+                    cudaStream_t s);
+
 // x[T, N] += b[N]                                               twin: add_bias
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s);
 // x[n] = clamp(x[n], -c, c)                                     twin: clamp
@@ -44,6 +48,10 @@ cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s);
 // y[T, N] (= or +=) x[T, K] @ W[N, K]^T for T <= kGemvMaxT: memory-bound GEMV, one warp per
 // output row, 16-byte weight loads when K % 8 == 0.             twin: matmul / matmul_add
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s);
+
+// Three gemv()s sharing x[T, K] in one launch (q, k, v projections): yi[T, Ni] = x Wi^T.
+cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
+                  int N2, const float* x, int T, int K, cudaStream_t s);
 
 // Router: per token, softmax over logits[T, E] in FP32, top-k (ties: lower index), weights
 // renormalized when asked. ids[T, K], weights[T, K], descending.   twin: route_softmax_topk

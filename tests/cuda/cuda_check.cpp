@@ -111,6 +111,26 @@ void check_gemv() {
   }
 }
 
+void check_gemv3() {
+  struct C { int T, Nq, Nk, K; };
+  for (C c : {C{1, 4096, 512, 2048}, C{3, 64, 32, 64}, C{8, 96, 40, 48}, C{2, 24, 8, 20}}) {
+    auto x = randn(size_t(c.T) * c.K);
+    const int Ns[3] = {c.Nq, c.Nk, c.Nk};
+    std::vector<std::vector<uint16_t>> wb(3);
+    std::vector<std::vector<float>> ref(3);
+    for (int i = 0; i < 3; ++i) {
+      wb[i] = bf16_of(randn(size_t(Ns[i]) * c.K, 0.05f));
+      ref[i].resize(size_t(c.T) * Ns[i]);
+      matmul(ref[i].data(), x.data(), wb[i].data(), DType::BF16, c.T, Ns[i], c.K);
+    }
+    Dev<float> dx(x), y0(ref[0].size()), y1(ref[1].size()), y2(ref[2].size());
+    Dev<uint16_t> w0(wb[0]), w1(wb[1]), w2(wb[2]);
+    CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0));
+    const double e = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
+    report(fmt("gemv3 (q,k,v) T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K), e, 1e-5);
+  }
+}
+
 void check_rmsnorm_rope_misc() {
   for (auto [rows, D] : {std::pair{1, 64}, {7, 2048}, {3, 100}, {64, 16}}) {
     auto x = randn(size_t(rows) * D, 3.f), w = randn(D);
@@ -130,8 +150,21 @@ void check_rmsnorm_rope_misc() {
     Dev<float> dx(x);
     Dev<int32_t> dp(pos);
     CK(cu::rope(dx.p, dp.p, r.T, r.heads, r.Dh, r.theta, 0));
+    // FP32 sin/cos of angles up to ~4e4 rad: CUDA's sincosf and glibc differ by a few ulp of the angle.
     report(fmt("rope T=%d heads=%d Dh=%d theta=%.0e pos<%d", r.T, r.heads, r.Dh, r.theta, r.maxpos), rel(dx.get(), ref),
-           2e-5);
+           5e-5);
+  }
+  {
+    const int T = 4, H = 8, Hkv = 2, Dh = 64;
+    auto q = randn(size_t(T) * H * Dh), k = randn(size_t(T) * Hkv * Dh);
+    std::vector<int32_t> pos = {0, 7, 100, 3000};
+    std::vector<float> rq = q, rk = k;
+    rope(rq.data(), pos.data(), T, H, Dh, 1e6f);
+    rope(rk.data(), pos.data(), T, Hkv, Dh, 1e6f);
+    Dev<float> dq(q), dk(k);
+    Dev<int32_t> dp(pos);
+    CK(cu::rope_qk(dq.p, dk.p, dp.p, T, H, Hkv, Dh, 1e6f, 0));
+    report("rope_qk T=4 H=8 Hkv=2 Dh=64", std::max(rel(dq.get(), rq), rel(dk.get(), rk)), 5e-5);
   }
   {
     const int T = 3, F = 37;
@@ -272,12 +305,39 @@ double gemv_bandwidth(int N, int K) {
   return us;
 }
 
-// CUDA backend vs CPU backend on one model.
+// Repoints every projection of w at a BF16 copy (kept alive in `keep`), so that the CPU
+// reference computes with the same weight values the GPU uploads.
+void round_weights_to_bf16(ModelWeights& w, std::vector<std::vector<uint16_t>>& keep) {
+  auto fix = [&](Linear& l) {
+    if (l.w == nullptr || l.dtype == DType::BF16) return;
+    std::vector<uint16_t> b(size_t(l.out) * l.in);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(load_f32(l.w, l.dtype, i));
+    keep.push_back(std::move(b));
+    l.w = keep.back().data();
+    l.dtype = DType::BF16;
+  };
+  fix(w.embed);
+  fix(w.lm_head);
+  for (auto& L : w.layers) {
+    for (Linear* l : {&L.q, &L.k, &L.v, &L.o, &L.router, &L.shared_gate, &L.dense.gate, &L.dense.up, &L.dense.down,
+                      &L.shared.gate, &L.shared.up, &L.shared.down})
+      fix(*l);
+    for (auto& e : L.experts)
+      for (Linear* l : {&e.gate, &e.up, &e.down}) fix(*l);
+  }
+}
+
+// CUDA backend vs CPU backend on one model. The CPU reference uses the weights rounded to BF16
+// (what the GPU holds) and a BF16 KV cache, so the comparison measures the GPU computation.
 void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps) {
   auto w = load_weights(dir);
   const int V = w->cfg.vocab_size, T = int(prompt.size());
-  auto cpu = make_cpu_backend(*w);
   auto gpu = make_cuda_backend(*w);
+  std::vector<std::vector<uint16_t>> keep;
+  round_weights_to_bf16(*w, keep);
+  CpuBackendOptions co;
+  co.kv_dtype = KvDType::BF16;
+  auto cpu = make_cpu_backend(*w, co);
   auto cc = cpu->new_cache(), gc = gpu->new_cache();
   std::vector<float> lc(size_t(T) * V), lg(size_t(T) * V);
   cpu->forward(prompt, *cc, T, lc.data());
@@ -356,6 +416,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s\n", cuda_device_name().c_str());
   std::printf("== kernels vs CPU twins ==\n");
   check_gemv();
+  check_gemv3();
   check_rmsnorm_rope_misc();
   check_route();
   check_moe();
