@@ -17,7 +17,7 @@ using test::json;
 using namespace std::chrono_literals;
 
 std::vector<std::string> model_args(std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"--model", test::tinymix_dir(), "--kv", "f32", "--threads", "2"};
+  std::vector<std::string> a = {"--model", test::tinymix_dir(), "--kv", "f32"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }

@@ -124,7 +124,7 @@ std::string chatml_model_dir() {
 
 TEST(ServerChat, ChatCompletionsWithChatMLTemplate) {
   const std::string dir = chatml_model_dir();
-  test::ServerProcess srv({"--model", dir, "--threads", "2", "--served-model-name", "tiny-chat"});
+  test::ServerProcess srv({"--model", dir, "--served-model-name", "tiny-chat"});
   const int port = srv.port();
   const json req = {{"model", "tiny-chat"},
                     {"messages", {{{"role", "system"}, {"content", "You write Python."}}, {{"role", "user"}, {"content", "def add(a, b):"}}}},

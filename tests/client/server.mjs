@@ -9,7 +9,7 @@ export const tinymix = path.join(repoRoot, 'models/tinymix-code');
 
 export function startServer(args, timeoutMs = 60000) {
   const bin = process.env.TIERMOE_BIN || path.join(repoRoot, 'build/tiermoe');
-  const proc = spawn(bin, ['serve', '--host', '127.0.0.1', '--port', '0', '--threads', '2', ...args], {
+  const proc = spawn(bin, ['serve', '--host', '127.0.0.1', '--port', '0', ...args], {
     stdio: ['ignore', 'pipe', 'inherit'],
   });
   return new Promise((resolve, reject) => {
