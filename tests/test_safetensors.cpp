@@ -27,7 +27,7 @@ TEST(Safetensors, ReadsTensorsAndShapes) {
   ASSERT_EQ(f.tensors().size(), 2u);
   const TensorView& w = f.tensors().at("w");
   EXPECT_EQ(w.shape, (std::vector<int64_t>{2, 3}));
-  EXPECT_EQ(static_cast<const float*>(w.data)[5], 6.f);
+  EXPECT_EQ(load_f32(w.data, w.dtype, 5), 6.f);
 }
 
 struct BadFileCase {
@@ -99,6 +99,20 @@ INSTANTIATE_TEST_SUITE_P(
                     },
                     "negative"}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The format pads headers to 8 bytes, but files that do not are still read correctly.
+TEST(Safetensors, UnalignedDataIsReadCorrectly) {
+  const std::string dir = test::temp_dir("st_unaligned");
+  std::vector<uint8_t> bytes(3 * 2);
+  const uint16_t vals[3] = {f32_to_bf16(1.5f), f32_to_bf16(-2.f), f32_to_bf16(3.25f)};
+  std::memcpy(bytes.data(), vals, sizeof vals);
+  test::write_safetensors(dir + "/u.safetensors", {{"pad", "U8", {1}, {7}}, {"w", "BF16", {3}, bytes}},
+                          [](nlohmann::json& h) { h["pad"]["dtype"] = "I32"; h["pad"]["shape"] = {0}; h["pad"]["data_offsets"] = {0, 0}; h["w"]["data_offsets"] = {1, 7}; });
+  SafetensorsFile f(dir + "/u.safetensors");
+  const TensorView& w = f.tensors().at("w");
+  EXPECT_EQ(load_f32(w.data, w.dtype, 0), 1.5f);
+  EXPECT_EQ(load_f32(w.data, w.dtype, 2), 3.25f);
+}
 
 TEST(Safetensors, MissingFileNamesPath) {
   const std::string msg = error_of([] { SafetensorsFile f("/nonexistent/x.safetensors"); });

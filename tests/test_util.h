@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <cstdint>
 #include <string>
@@ -18,8 +19,16 @@ inline std::string tinymix_dir() { return repo_path("models/tinymix-code"); }
 // Integer tensor (I32 or I64) as int32.
 inline std::vector<int32_t> ints(const TensorView& t) {
   std::vector<int32_t> out(size_t(t.numel()));
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = t.dtype == DType::I64 ? int32_t(static_cast<const int64_t*>(t.data)[i]) : static_cast<const int32_t*>(t.data)[i];
+  const auto* bytes = static_cast<const uint8_t*>(t.data);
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (t.dtype == DType::I64) {
+      int64_t v;
+      std::memcpy(&v, bytes + 8 * i, 8);
+      out[i] = int32_t(v);
+    } else {
+      std::memcpy(&out[i], bytes + 4 * i, 4);
+    }
+  }
   return out;
 }
 
@@ -72,7 +81,8 @@ inline void write_safetensors(const std::string& path, const std::vector<FakeTen
     data.insert(data.end(), bytes.begin(), bytes.end());
   }
   if (mutate_header) mutate_header(h);
-  const std::string hs = h.dump();
+  std::string hs = h.dump();
+  hs.resize((hs.size() + 7) / 8 * 8, ' ');  // as the reference writer: data 8-byte aligned
   const uint64_t len = hs.size();
   std::ofstream out(path, std::ios::binary);
   out.write(reinterpret_cast<const char*>(&len), 8);

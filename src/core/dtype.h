@@ -48,12 +48,22 @@ inline uint16_t f32_to_bf16(float f) {
 inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
-// Reads element i of a float tensor of any supported dtype as FP32.
+// Reads element i of a float tensor of any supported dtype as FP32. memcpy, because
+// safetensors data need not be aligned to the element size (compiles to a plain load).
 inline float load_f32(const void* data, DType t, size_t i) {
+  const auto* bytes = static_cast<const uint8_t*>(data);
   switch (t) {
-    case DType::F32: return static_cast<const float*>(data)[i];
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[i]);
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(data)[i]);
+    case DType::F32: {
+      float f;
+      std::memcpy(&f, bytes + 4 * i, 4);
+      return f;
+    }
+    case DType::BF16:
+    case DType::F16: {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, 2);
+      return t == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
     default: return 0.f;
   }
 }

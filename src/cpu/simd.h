@@ -23,9 +23,7 @@ inline __m256 load8_f32(const void* p, size_t i) {
 
 template <DType W>
 inline float load1_f32(const void* p, size_t i) {
-  if constexpr (W == DType::F32) return static_cast<const float*>(p)[i];
-  else if constexpr (W == DType::BF16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  else return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return load_f32(p, W, i);
 }
 
 inline float hsum(__m256 v) {
