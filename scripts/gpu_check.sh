@@ -19,6 +19,13 @@ if [ ! -x $C ]; then
 fi
 log check
 timeout 150 $C 2>&1 | tee "$OUT/check.txt"
+if [ "$MODE" = again ]; then  # the kernel table twice more, then the race and init checkers
+  for i in 1 2; do $C --kernels-only | grep -E "FAIL|moe|==" | tee -a "$OUT/again.txt"; done
+  for tool in racecheck initcheck; do
+    log $tool; timeout 100 compute-sanitizer --tool $tool $C --kernels-only > "$OUT/$tool.txt" 2>&1; tail -4 "$OUT/$tool.txt"
+  done
+  grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
+fi
 bench() {  # config-or-model ctx gen repeats [env]
   local src=$1 ctx=$2 gen=$3 rep=$4 arg
   if [ -f "configs/$src" ]; then arg="--config configs/$src"; else arg="--model $src"; fi
