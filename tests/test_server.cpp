@@ -198,6 +198,17 @@ TEST(Server, ClientHangingUpMidStreamFreesItsSequence) {
   EXPECT_EQ(test::metric(port, "tiermoe_cancelled_requests_total"), 1);
   EXPECT_LT(test::metric(port, "tiermoe_generation_tokens_total"), 3000);
   EXPECT_EQ(test::post(port, "/v1/completions", greedy("x = 1\n", 3)).status, 200);
+
+  // The same for a client waiting for a non-streamed answer.
+  const int fd2 = test::connect_to(port, 30);
+  ASSERT_GE(fd2, 0);
+  ASSERT_TRUE(test::send_all(fd2, test::request_text("POST", "/v1/completions", ignoring_eos(greedy("class Tree:", 3000)).dump())));
+  EXPECT_TRUE(test::wait_until([&] { return test::metric(port, "tiermoe_running_sequences") == 1; }, 20s));
+  close(fd2);
+  EXPECT_TRUE(test::wait_until([&] { return test::metric(port, "tiermoe_running_sequences") == 0; }, 20s));
+  EXPECT_EQ(test::metric(port, "tiermoe_kv_bytes"), 0);
+  EXPECT_EQ(test::metric(port, "tiermoe_cancelled_requests_total"), 2);
+  EXPECT_EQ(test::post(port, "/v1/completions", greedy("x = 1\n", 3)).status, 200);
 }
 
 TEST(Server, AdmissionByKvMemoryQueuesThen429) {

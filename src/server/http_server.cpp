@@ -6,6 +6,11 @@
 #include <ctime>
 #include <random>
 
+#include <dirent.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <httplib.h>
 
 #include "core/check.h"
@@ -28,6 +33,45 @@ std::string random_id(const char* prefix) {
 }
 
 std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
+
+int port_of(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port);
+  if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port);
+  return -1;
+}
+
+// cpp-httplib 0.11 does not give a handler its socket, and a non-streaming handler writes
+// nothing until the answer is ready; to notice a client that left, find the connection's
+// socket among the open descriptors by its address pair (it stays open while the handler runs).
+int find_socket(const httplib::Request& req) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) return -1;
+  int found = -1;
+  while (dirent* e = readdir(dir)) {
+    const int fd = std::atoi(e->d_name);
+    if (fd <= 2) continue;
+    sockaddr_storage peer{}, local{};
+    socklen_t pl = sizeof peer, ll = sizeof local;
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
+    if (port_of(peer) == req.remote_port && port_of(local) == req.local_port) {
+      found = fd;
+      break;
+    }
+  }
+  closedir(dir);
+  return found;
+}
+
+// The peer closed its side (or the connection failed). Pipelined bytes do not count.
+bool peer_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, short(POLLIN | POLLRDHUP), 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return true;
+  char c;
+  return recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
 
 }  // namespace
 
@@ -147,9 +191,16 @@ struct HttpServer::Impl {
       if (!r.stream) {
         std::string text;
         SeqStream::Chunk c;
+        const int fd = find_socket(req);
         while (!c.finished) {
-          c = out->take(1000ms);
+          c = out->take(200ms);
           text += c.text;
+          if (!c.finished && peer_gone(fd)) {
+            out->cancel();  // the client left: free its sequence now; nobody reads an answer
+            res.status = 499;  // nginx's "client closed request", for the metrics only
+            metrics.count_request(endpoint, res.status);
+            return;
+          }
         }
         if (c.finish_reason == "cancelled") throw ApiError(503, "the server is shutting down");
         if (c.finish_reason == "error") throw ApiError(500, c.error);
