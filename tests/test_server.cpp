@@ -240,6 +240,48 @@ TEST(Server, AdmissionByKvMemoryQueuesThen429) {
   EXPECT_EQ(test::post(port, "/v1/completions", greedy("x = 1\n", 3)).status, 200);
 }
 
+TEST(Server, ChunkedPrefillKeepsDecodesGoing) {
+  // A long prompt arriving while another request decodes is prefilled 64 tokens per step, and
+  // the decoding request keeps getting a token every step meanwhile.
+  test::ServerProcess srv(model_args({"--step-tokens", "64"}));
+  const int port = srv.port();
+  const int fd = test::connect_to(port, 60);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(test::send_all(fd, test::request_text("POST", "/v1/completions", ignoring_eos(greedy("def main():", 3000, true)).dump())));
+  std::vector<std::chrono::steady_clock::time_point> arrivals;
+  std::mutex mu;
+  std::atomic<bool> stop{false};
+  std::thread reader([&] {
+    char buf[4096];
+    while (!stop) {
+      const ssize_t n = recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      std::lock_guard lock(mu);
+      for (ssize_t i = 0; i + 5 < n; ++i)
+        if (std::memcmp(buf + i, "data:", 5) == 0) arrivals.push_back(std::chrono::steady_clock::now());
+    }
+  });
+  EXPECT_TRUE(test::wait_until([&] { std::lock_guard lock(mu); return arrivals.size() >= 3; }, 20s));
+  std::vector<int> long_prompt(1500);
+  for (int i = 0; i < 1500; ++i) long_prompt[size_t(i)] = (i * 37) % 8000 + 1;
+  const double steps0 = test::metric(port, "tiermoe_scheduler_steps_total");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = test::post(port, "/v1/completions", {{"prompt", long_prompt}, {"max_tokens", 1}, {"temperature", 0}});
+  const auto t1 = std::chrono::steady_clock::now();
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_GE(test::metric(port, "tiermoe_scheduler_steps_total") - steps0, 1500 / 64);
+  size_t during = 0;
+  {
+    std::lock_guard lock(mu);
+    for (auto t : arrivals) during += t > t0 && t < t1;
+  }
+  EXPECT_GE(during, 5u) << "the decoding stream stalled during the long prefill";
+  stop = true;
+  shutdown(fd, SHUT_RDWR);
+  reader.join();
+  close(fd);
+}
+
 TEST(Server, ConcurrentStreamsMatchRequestsAlone) {
   test::ServerProcess srv(model_args({"--max-batch", "64", "--step-tokens", "64"}));
   const int port = srv.port();
