@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -204,7 +205,7 @@ class CudaBackend final : public Backend {
     if (cfg_.head_dim > cuda::kAttnMaxDh) throw InputError("CUDA backend: head_dim above 256");
   }
   ~CudaBackend() override {
-    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (void* p : owned_) cudaFree(p);
     cudaFreeHost(h_ids_);
     cudaFreeHost(h_pos_);
@@ -321,13 +322,15 @@ class CudaBackend final : public Backend {
   static constexpr int kPinnedLogitRows = 8;
   static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
 
-  cudaGraphExec_t graph_exec_ = nullptr;
+  // Captured decode steps, one per (KV buffer, capacity, attention split count, logits wanted):
+  // a sequence that grows through several split counts, or a cache emptied and refilled, replays
+  // graphs captured before instead of capturing again.
   struct GraphKey {
     const void* k = nullptr;
-    int cap = 0, n_splits = 0;
-    bool operator==(const GraphKey&) const = default;
-  } graph_key_;
-  int graph_logits_ = -1;
+    int cap = 0, n_splits = 0, n_logits = 0;
+    auto operator<=>(const GraphKey&) const = default;
+  };
+  std::map<GraphKey, cudaGraphExec_t> graphs_;
 };
 
 void CudaBackend::alloc_workspace() {
@@ -594,20 +597,23 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
 
   const bool graph = opts_.use_graphs && pieces.size() == 1 && T == 1;
   if (graph) {
-    const GraphKey key{pieces[0].cache->k(0), pieces[0].cache->capacity(), pieces[0].n_splits};
-    if (!graph_exec_ || !(key == graph_key_) || graph_logits_ != n_logits) {
-      if (graph_exec_) CUDA_CK(cudaGraphExecDestroy(graph_exec_));
-      graph_exec_ = nullptr;
+    const GraphKey key{pieces[0].cache->k(0), pieces[0].cache->capacity(), pieces[0].n_splits, n_logits};
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) {
+      if (graphs_.size() >= 64) {  // bounded: caches come and go
+        for (auto& [k, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
+        graphs_.clear();
+      }
       cudaGraph_t g = nullptr;
+      cudaGraphExec_t exec = nullptr;
       CUDA_CK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       run_layers(pieces, T, n_logits);
       CUDA_CK(cudaStreamEndCapture(stream_, &g));
-      CUDA_CK(cudaGraphInstantiate(&graph_exec_, g, 0));
+      CUDA_CK(cudaGraphInstantiate(&exec, g, 0));
       CUDA_CK(cudaGraphDestroy(g));
-      graph_key_ = key;
-      graph_logits_ = n_logits;
+      it = graphs_.emplace(key, exec).first;
     }
-    CUDA_CK(cudaGraphLaunch(graph_exec_, stream_));
+    CUDA_CK(cudaGraphLaunch(it->second, stream_));
   } else {
     run_layers(pieces, T, n_logits);
   }
