@@ -47,7 +47,7 @@ if [ "$MODE" = full ] || [ "$MODE" = benchonly ]; then
   bench qwen3-30b-a3b.json 4096 64 2
   bench mixtral-8x7b.json 4096 32 2
 fi
-if command -v compute-sanitizer >/dev/null; then
+if [ "$MODE" != benchonly ] && command -v compute-sanitizer >/dev/null; then
   log memcheck
   timeout 60 compute-sanitizer --tool memcheck $C --kernels-only > "$OUT/memcheck.txt" 2>&1
   tail -3 "$OUT/memcheck.txt"
