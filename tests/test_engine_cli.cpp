@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <sys/wait.h>
 
 #include "core/check.h"
@@ -19,8 +20,10 @@ struct CmdResult {
 };
 
 CmdResult run_cli(const std::string& args) {
+  // ctest sets TIERMOE_BIN; run by hand, the CLI is next to the test binary.
   const char* bin = std::getenv("TIERMOE_BIN");
-  const std::string cmd = std::string(bin ? bin : "tiermoe") + " " + args + " 2>&1";
+  const std::string exe = bin ? bin : (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "tiermoe").string();
+  const std::string cmd = exe + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;

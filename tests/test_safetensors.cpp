@@ -64,7 +64,7 @@ INSTANTIATE_TEST_SUITE_P(
                       uint64_t len = 5;
                       test::write_text(p, std::string(reinterpret_cast<const char*>(&len), 8) + "{oops");
                     },
-                    "not valid JSON"},
+                    "invalid JSON"},
         BadFileCase{"truncated_data",
                     [](const std::string& p) {
                       test::write_safetensors(p, {{"w", "F32", {4, 4}, {}}});

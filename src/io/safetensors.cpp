@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/files.h"
 
 namespace tiermoe {
 namespace {
@@ -46,7 +47,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
   try {
     header = json::parse(file_.data() + 8, file_.data() + 8 + header_len);
   } catch (const json::exception& e) {
-    fail(std::string("header is not valid JSON: ") + e.what());
+    fail(std::string("header is invalid JSON: ") + e.what());
   }
   if (!header.is_object()) fail("header is not a JSON object");
 
@@ -119,15 +120,7 @@ Checkpoint Checkpoint::open_dir(const std::string& dir) {
       throw InputError(dir + ": no model.safetensors or model.safetensors.index.json");
     return open_file(single.string());
   }
-  json index;
-  {
-    std::ifstream in(index_path);
-    try {
-      index = json::parse(in);
-    } catch (const json::exception& e) {
-      throw InputError(index_path.string() + ": not valid JSON: " + e.what());
-    }
-  }
+  const json index = read_json_file(index_path.string());
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
     throw InputError(index_path.string() + ": missing object 'weight_map'");
   Checkpoint c;

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/files.h"
 #include "model/config_reader.h"
 #include "models/arch.h"
 
@@ -11,14 +12,6 @@ namespace tiermoe {
 namespace {
 
 using json = nlohmann::json;
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 DType parse_model_dtype(const ConfigReader& r) {
   const json* v = r.find({"dtype", "torch_dtype"});
@@ -60,12 +53,7 @@ float parse_rope_theta(const ConfigReader& r) {
 }  // namespace
 
 ModelConfig parse_config(const std::string& text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    throw InputError(source + ": not valid JSON: " + e.what());
-  }
+  const json j = parse_json(text, source);
   if (!j.is_object()) throw InputError(source + ": not a JSON object");
   ConfigReader r(j, source);
   ModelConfig cfg;
@@ -126,12 +114,7 @@ ModelConfig load_config(const std::string& model_dir) {
   // generation_config.json's EOS ids take precedence, as in transformers' generate().
   const std::string gen_path = (fs::path(model_dir) / "generation_config.json").string();
   if (fs::exists(gen_path)) {
-    json g;
-    try {
-      g = json::parse(read_file(gen_path));
-    } catch (const json::exception& e) {
-      throw InputError(gen_path + ": not valid JSON: " + e.what());
-    }
+    const json g = read_json_file(gen_path);
     ConfigReader r(g, gen_path);
     if (const json* eos = r.find({"eos_token_id"})) {
       cfg.eos_token_ids.clear();

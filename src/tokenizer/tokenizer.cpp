@@ -5,6 +5,8 @@
 // strings and runs the decoder chain. Also: tokenizer_config.json and StreamDecoder.
 #include "tokenizer/tokenizer.h"
 
+#include "core/files.h"
+
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -72,18 +74,6 @@ namespace {
 
 using nlohmann::json;
 
-json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot be read (" + std::strerror(errno) + ")");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::exception& e) {
-    throw InputError(path + ": invalid JSON: " + e.what());
-  }
-}
-
 // bos_token / eos_token: a string, {"content": ...} (an AddedToken), or null.
 std::optional<std::string> config_token(const JsonNode& node) {
   if (node.is_null()) return std::nullopt;
@@ -130,7 +120,7 @@ Tokenizer Tokenizer::load(const std::string& model_dir) {
   const std::string path = (std::filesystem::path(model_dir) / "tokenizer.json").string();
   auto impl = std::make_unique<Impl>();
   try {
-    const json doc = read_json(path);
+    const json doc = read_json_file(path);
     const JsonNode root(doc, path);
     root.expect_object();
     impl->model = std::make_unique<BpeModel>(root.required("model"));
@@ -165,7 +155,7 @@ Tokenizer Tokenizer::load(const std::string& model_dir) {
   const std::string cfg_path = (std::filesystem::path(model_dir) / "tokenizer_config.json").string();
   bool cfg_has_bos = false;
   if (std::filesystem::exists(cfg_path)) {
-    const json cfg_doc = read_json(cfg_path);
+    const json cfg_doc = read_json_file(cfg_path);
     const JsonNode cfg(cfg_doc, cfg_path);
     cfg.expect_object();
     try {
