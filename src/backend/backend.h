@@ -42,6 +42,8 @@ class Backend {
 
 struct CpuBackendOptions {
   KvDType kv_dtype = KvDType::F32;
+  std::shared_ptr<const KvSpec> kv_spec;        // when set: make_kv_cache(spec), else exact kv_dtype
+  std::shared_ptr<const KvProfile> kv_profile;  // offline-calibrated codecs for kv_spec
   int max_chunk = 512;  // tokens per pass through the layers (bounds activation memory)
 };
 

@@ -12,7 +12,7 @@ namespace tiermoe {
 int run_generate(const CommonOptions& c, const std::string& prompt, const std::string& prompt_ids, int max_tokens,
                  float temperature, float top_p, int top_k, long long seed, bool greedy,
                  const std::vector<std::string>& stop) {
-  Engine engine({c.model_dir, c.kv, c.threads});
+  Engine engine(engine_options(c));
   GenerateRequest req;
   req.prompt = prompt_ids.empty() ? engine.tokenizer().encode(prompt, true) : parse_id_list(prompt_ids, "--prompt-ids");
   req.max_tokens = max_tokens;

@@ -13,7 +13,7 @@ int run_score(const CommonOptions& c, const std::string& ids_text, const std::st
   const std::vector<int32_t> ids = ids_file.empty() ? parse_id_list(ids_text, "--ids")
                                                     : parse_id_list(read_text_file(ids_file), ids_file);
   const std::vector<int> logits_at = parse_int_list(logits_at_text, "--logits-at");
-  Engine engine({c.model_dir, c.kv, c.threads});
+  Engine engine(engine_options(c));
   ScoreResult r = engine.score(ids, logits_at);
   nlohmann::json logits = nlohmann::json::object();
   for (size_t i = 0; i < logits_at.size(); ++i) logits[std::to_string(logits_at[i])] = r.logits[i];

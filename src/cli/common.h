@@ -10,12 +10,24 @@ namespace tiermoe {
 
 struct CommonOptions {
   std::string model_dir;
-  std::string kv = "f32";
+  std::string kv = "default";  // KV cache preset; the library default (EngineOptions) stays exact f32
   int threads = 0;
   bool json = false;
+  std::string kv_config, kv_profile;
 };
 
 std::string read_text_file(const std::string& path);  // throws InputError naming the path
+
+inline EngineOptions engine_options(const CommonOptions& c) {
+  EngineOptions o;
+  o.model_dir = c.model_dir;
+  o.kv = c.kv;
+  o.threads = c.threads;
+  o.kv_config = c.kv_config;
+  o.kv_profile = c.kv_profile;
+  return o;
+}
+
 // "1,2,3", "1 2 3", or a JSON list; `what` names the flag in errors.
 std::vector<int32_t> parse_id_list(const std::string& text, const std::string& what);
 std::vector<int> parse_int_list(const std::string& text, const std::string& what);
@@ -47,8 +59,11 @@ int run_generate(const CommonOptions& c, const std::string& prompt, const std::s
                  const std::vector<std::string>& stop);
 int run_tokenize(const CommonOptions& c, const std::string& text, const std::string& file);
 int run_score(const CommonOptions& c, const std::string& ids, const std::string& ids_file, const std::string& logits_at);
-int run_ppl(const CommonOptions& c, const std::string& file, int ctx, int windows);
+int run_ppl(const CommonOptions& c, const std::string& file, int ctx, int windows, const std::string& ref_kv = "");
+int run_needle(const CommonOptions& c, const std::string& file, const std::vector<int>& lengths, int trials);
+int run_calibrate(const CommonOptions& c, const std::string& file, const std::string& out, int tokens, int offset);
 int run_bench(const CommonOptions& c, int prompt_tokens, int gen_tokens, int repeats);
+
 struct BenchOptions {
   int prompt_tokens = 512, gen_tokens = 128, repeats = 5, batch = 1;
   std::string backend = "cpu";       // cpu | cuda
@@ -56,7 +71,6 @@ struct BenchOptions {
   std::string load_format = "auto";  // auto (checkpoint) | dummy (random weights on the GPU)
 };
 int run_bench(const CommonOptions& c, const BenchOptions& b);
-
 int run_serve(const CommonOptions& c, const ServeOptions& s);
 
 }  // namespace tiermoe

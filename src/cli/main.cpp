@@ -1,4 +1,4 @@
-// tiermoe command line: generate, tokenize, score, ppl, bench.
+// tiermoe command line: generate, tokenize, score, ppl, bench, serve.
 #include <cstdio>
 #include <exception>
 
@@ -13,7 +13,10 @@ namespace {
 
 void add_common(CLI::App* cmd, CommonOptions& c, bool json_flag = true) {
   cmd->add_option("--model", c.model_dir, "Hugging Face model directory")->required();
-  cmd->add_option("--kv", c.kv, "KV cache type: f32 (exact reference) or bf16")->capture_default_str();
+  cmd->add_option("--kv", c.kv, "KV cache preset: f32 (exact reference), bf16, fp8, kivi2, kivi4, hadamard2, "
+                  "hadamard3, oskvp, rvq-tiers, default")->capture_default_str();
+  cmd->add_option("--kv-config", c.kv_config, "JSON file of KV cache settings (overrides --kv; see docs/kv_codecs.md)");
+  cmd->add_option("--kv-profile", c.kv_profile, "Offline KV calibration written by `tiermoe calibrate`");
   cmd->add_option("--threads", c.threads, "CPU threads (default: all cores)");
   if (json_flag) cmd->add_flag("--json", c.json, "Machine-readable output");
 }
@@ -66,6 +69,25 @@ int main(int argc, char** argv) {
   ppl->add_option("--file", file, "Text file")->required();
   ppl->add_option("--ctx", ctx, "Tokens per window")->capture_default_str();
   ppl->add_option("--windows", windows, "Windows to evaluate (default: all)");
+  std::string ref_kv;
+  ppl->add_option("--ref-kv", ref_kv, "Also run this KV preset (e.g. bf16) and report the mean KL divergence against it");
+
+  auto* needle = app.add_subcommand("needle", "Retrieval: a value planted early in a long context, asked for late");
+  add_common(needle, c);
+  std::string needle_file, needle_lengths = "1024,2048,3072,4096";
+  int needle_trials = 9;
+  needle->add_option("--file", needle_file, "Haystack text (default: the model's heldout.txt)");
+  needle->add_option("--lengths", needle_lengths, "Context lengths in tokens")->capture_default_str();
+  needle->add_option("--trials", needle_trials, "Depths per length")->capture_default_str();
+
+  auto* calib = app.add_subcommand("calibrate", "Offline KV calibration: fit the --kv preset's codecs on a text");
+  add_common(calib, c);
+  std::string calib_file, calib_out;
+  int calib_tokens = 4096, calib_offset = 0;
+  calib->add_option("--file", calib_file, "Calibration text")->required();
+  calib->add_option("-o,--output", calib_out, "Profile to write")->required();
+  calib->add_option("--tokens", calib_tokens, "Calibration tokens (at most the model's context)")->capture_default_str();
+  calib->add_option("--offset", calib_offset, "Skip this many tokens of the text first")->capture_default_str();
 
   auto* bench = app.add_subcommand("bench", "Prefill and decode speed of one stream (medians over repeats)");
   add_common(bench, c);
@@ -110,9 +132,11 @@ int main(int argc, char** argv) {
       if (ids.empty() && ids_file.empty()) throw InputError("score: give --ids IDS or --ids-file FILE");
       return run_score(c, ids, ids_file, logits_at);
     }
-    if (*ppl) return run_ppl(c, file, ctx, windows);
-    if (*serve) return run_serve(c, so);
+    if (*ppl) return run_ppl(c, file, ctx, windows, ref_kv);
+    if (*needle) return run_needle(c, needle_file, parse_int_list(needle_lengths, "--lengths"), needle_trials);
+    if (*calib) return run_calibrate(c, calib_file, calib_out, calib_tokens, calib_offset);
     if (*bench) return run_bench(c, bo);
+    if (*serve) return run_serve(c, so);
   } catch (const InputError& e) {
     std::fprintf(stderr, "tiermoe: error: %s\n", e.what());
     return 2;

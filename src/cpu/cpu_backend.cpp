@@ -10,6 +10,8 @@
 #include "core/thread_pool.h"
 #include "cpu/matmul.h"
 #include "cpu/ops.h"
+#include "kv/kv_profile.h"
+#include "kv/kv_spec.h"
 
 namespace tiermoe {
 namespace {
@@ -23,7 +25,9 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
 
   std::unique_ptr<KvCache> new_cache() const override {
-    return make_exact_kv_cache({cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim}, opts_.kv_dtype);
+    const KvGeometry g{cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim, float(cfg_.rope_theta)};
+    if (opts_.kv_spec) return make_kv_cache(g, *opts_.kv_spec, opts_.kv_profile.get());
+    return make_exact_kv_cache(g, opts_.kv_dtype);
   }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {

@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <utility>
 
 #include "core/check.h"
 #include "core/thread_pool.h"
+#include "kv/kv_profile.h"
 
 namespace tiermoe {
 namespace {
@@ -60,8 +62,32 @@ Engine::Engine(const EngineOptions& opts) : model_dir_(opts.model_dir) {
   if (std::filesystem::exists(std::filesystem::path(opts.model_dir) / "tokenizer.json"))
     tokenizer_.emplace(Tokenizer::load(opts.model_dir));
   CpuBackendOptions bo;
-  bo.kv_dtype = parse_kv_dtype(opts.kv);
+  if (!opts.kv_config.empty()) {
+    std::ifstream in(opts.kv_config);
+    if (!in) throw InputError(opts.kv_config + ": cannot open --kv-config");
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(in);
+    } catch (const std::exception& e) {
+      throw InputError(opts.kv_config + ": not JSON (" + e.what() + ")");
+    }
+    kv_spec_ = std::make_shared<KvSpec>(kv_spec_from_json(j, opts.kv_config));
+  } else {
+    kv_spec_ = std::make_shared<KvSpec>(kv_preset(opts.kv));
+  }
+  if (kv_spec_->exact) bo.kv_dtype = kv_spec_->exact_f32 ? KvDType::F32 : KvDType::BF16;
+  else bo.kv_spec = kv_spec_;
+  if (!opts.kv_profile.empty()) {
+    auto prof = std::make_shared<KvProfile>(KvProfile::load(opts.kv_profile));
+    prof->check_compatible(model_fingerprint(opts.model_dir), kv_geometry(), *kv_spec_, opts.kv_profile);
+    bo.kv_profile = prof;
+  }
   backend_ = make_cpu_backend(*weights_, bo);
+}
+
+KvGeometry Engine::kv_geometry() const {
+  const ModelConfig& c = config();
+  return {c.num_layers, c.num_kv_heads, c.num_heads, c.head_dim, float(c.rope_theta)};
 }
 
 const Tokenizer& Engine::tokenizer() const {

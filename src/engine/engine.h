@@ -10,6 +10,7 @@
 
 #include "backend/backend.h"
 #include "engine/sampler.h"
+#include "kv/kv_spec.h"
 #include "model/weights.h"
 #include "tokenizer/tokenizer.h"
 
@@ -17,8 +18,10 @@ namespace tiermoe {
 
 struct EngineOptions {
   std::string model_dir;
-  std::string kv = "f32";  // KV cache type
+  std::string kv = "f32";  // KV cache preset (kv_spec.h): f32 (exact reference), bf16, default, ...
   int threads = 0;         // 0: all cores (or TIERMOE_THREADS)
+  std::string kv_config;   // JSON file of KV spec overrides (replaces `kv` when given)
+  std::string kv_profile;  // offline KV calibration (tiermoe calibrate)
 };
 
 struct GenerateRequest {
@@ -50,6 +53,8 @@ class Engine {
   bool has_tokenizer() const { return tokenizer_.has_value(); }
   const Tokenizer& tokenizer() const;  // throws InputError when the model has no tokenizer.json
   Backend& backend() { return *backend_; }
+  const KvSpec& kv_spec() const { return *kv_spec_; }
+  KvGeometry kv_geometry() const;
 
   // on_text receives each new piece of text as it becomes final (whole UTF-8, stop strings
   // held back until they cannot match).
@@ -63,6 +68,7 @@ class Engine {
   std::unique_ptr<ModelWeights> weights_;
   std::optional<Tokenizer> tokenizer_;
   std::unique_ptr<Backend> backend_;
+  std::shared_ptr<const KvSpec> kv_spec_;
   std::string model_dir_;
 };
 

@@ -45,6 +45,15 @@ class ExactKvCache final : public KvCache {
     }
   }
 
+  Stats stats() const override {
+    Stats s;
+    const double bits = dtype_ == DType::F32 ? 32 : 16;
+    s.tiers.push_back({"exact", long(length()), bits, bits});
+    s.k_bits = s.v_bits = bits;
+    s.token_bytes = double(bytes());
+    return s;
+  }
+
   size_t bytes() const override {
     size_t b = 0;
     for (int l = 0; l < g_.num_layers; ++l) b += k_[l].size() + v_[l].size();

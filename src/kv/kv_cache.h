@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace tiermoe {
 
@@ -13,6 +14,7 @@ struct KvGeometry {
   int num_kv_heads = 0;  // Hkv
   int num_heads = 0;     // H (query heads; H / Hkv share one KV head)
   int head_dim = 0;      // Dh
+  float rope_theta = 0;  // RoPE base (0: unknown); lets a cache code keys before RoPE
 };
 
 class KvCache {
@@ -32,6 +34,27 @@ class KvCache {
   virtual void truncate(int n) = 0;
   // Bytes held for KV data (not counting spare capacity).
   virtual size_t bytes() const = 0;
+
+  // What is stored per tier at the current length, as bits per value (one value = one of
+  // the Dh numbers of one token's key or value in one KV head), everything stored per token
+  // counted; per-sequence metadata (rotations, codebooks) separately, in bytes.
+  struct TierStats {
+    std::string tier;   // sink | window | middle | archive | exact
+    long tokens = 0;    // per layer
+    double k_bits = 0, v_bits = 0;
+  };
+  struct Stats {
+    std::vector<TierStats> tiers;
+    double k_bits = 0, v_bits = 0;  // over every stored token
+    double token_bytes = 0;         // all layers
+    double meta_bytes = 0;          // all layers, per sequence
+  };
+  // Default (caches that do not report tiers): bytes only.
+  virtual Stats stats() const {
+    Stats s;
+    s.token_bytes = double(bytes());
+    return s;
+  }
 };
 
 enum class KvDType : uint8_t { F32, BF16 };
@@ -41,5 +64,12 @@ std::unique_ptr<KvCache> make_exact_kv_cache(const KvGeometry& g, KvDType dtype)
 
 // "f32" | "bf16"; throws InputError naming the value otherwise.
 KvDType parse_kv_dtype(const std::string& name);
+
+struct KvSpec;
+class KvProfile;
+// The cache a spec describes: exact (f32/bf16) or tiered. With a profile (offline
+// calibration) the codecs come from it; otherwise they are fitted online from the first
+// spec.calib_tokens tokens.
+std::unique_ptr<KvCache> make_kv_cache(const KvGeometry& g, const KvSpec& spec, const KvProfile* profile = nullptr);
 
 }  // namespace tiermoe

@@ -1,0 +1,74 @@
+// The codecs of the tiered KV cache, for one (layer, KV head, K or V) stream of Dh-vectors.
+//   vq:   y = U (x - mu); anchors y[a] in FP8 with a per-channel scale; the other channels
+//         (in variance order) are cut into sub-vectors ("slots") and coded by residual stages:
+//         each stage picks one codeword per slot, the next codes what is left. Dropping the
+//         last stages of a code is the same as having encoded with fewer (progressive codes).
+//   fp8:  E4M3 with one scale.   kivi: asymmetric uniform per group (see kv_spec.h).
+// Legend: Dh head dim, N calibration vectors, P page tokens.
+#pragma once
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "kv/kv_spec.h"
+
+namespace tiermoe {
+
+float fp8_e4m3_to_f32(uint8_t b);
+uint8_t f32_to_fp8_e4m3(float f);  // round to nearest even, saturating at +-448
+
+// Gaussian Lloyd-Max levels for N(0, 1) with 2^bits levels, ascending.
+std::vector<float> gaussian_lloyd_max(int bits);
+
+struct VqSlot {
+  int c0 = 0, len = 1, bits = 0;  // channels rest[c0 .. c0+len) of the rotated vector
+  std::vector<float> book;         // [2^bits, len]
+};
+
+struct VqCodec {
+  std::string kind = "vq";  // vq | fp8 | kivi | bf16
+  int d = 0;                // Dh
+  std::vector<float> rot;   // [Dh, Dh], rows are the basis (empty: identity)
+  std::vector<float> mean;  // [Dh] (empty: zero)
+  std::vector<int> anchors; // rotated channels kept in FP8
+  std::vector<float> anchor_scale;
+  std::vector<int> rest;    // the other rotated channels, in slot order
+  std::vector<std::vector<VqSlot>> stages;
+  bool token_norm = false;
+  bool oblivious = false;
+  std::string rotation = "none";
+  float fp8_scale = 1.f;
+  int kivi_bits = 2, kivi_group = 32;
+
+  // Fits the codec to calibration rows x[N, Dh]. qcov[Dh, Dh] (may be empty): second moment
+  // of the queries that will meet these keys, for query-aware weighting.
+  void fit(const CodecSpec& spec, const float* x, int N, int Dh, const std::vector<double>& qcov, uint64_t seed,
+           int kmeans_iters);
+
+  int n_codes() const;                   // slots over all stages
+  int n_codes(int n_stages) const;       // slots of the first n stages
+  int n_stages() const { return int(stages.size()); }
+  // Bits stored per token with the first n stages (codes, anchors, norm, kivi scales).
+  double token_bits(int n_stages) const;
+  // Bits of per-sequence metadata (rotation, mean, scales, codebooks) at 16 bits per number.
+  double meta_bits() const;
+
+  // vq: x[Dh] -> codes[n_codes()], anchors[anchors.size()], norm (BF16-rounded).
+  void encode(const float* x, uint16_t* codes, uint8_t* anc, float* norm) const;
+  // vq: the vector the first n stages of a code stand for.
+  void decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x) const;
+  // fp8 / bf16: one token. kivi: a page of P tokens x[P, stride] (keys per channel over the
+  // page's groups of tokens, values per token over groups of channels), decoded in place.
+  void roundtrip_elementwise(float* x) const;
+  void kivi_roundtrip(float* x, int P, size_t stride, bool is_key) const;
+
+  // y = U (x - mu), and x = U^T y (without mu).
+  void rotate(const float* x, float* y) const;
+  void unrotate(const float* y, float* x) const;
+
+  void save(std::ostream& out) const;
+  void load(std::istream& in);
+};
+
+}  // namespace tiermoe

@@ -1,0 +1,309 @@
+// The tiered KV cache: codec round trips, lookup-table attention against the decoded path,
+// progressive RVQ codes, page migration, calibration determinism, configs and profiles.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <sstream>
+
+#include "core/check.h"
+#include "kv/kv_cache.h"
+#include "kv/kv_codec.h"
+#include "kv/kv_profile.h"
+#include "kv/kv_spec.h"
+
+namespace tiermoe {
+namespace {
+
+// Correlated Gaussian rows [N, Dh] with a few large channels, like attention keys.
+std::vector<float> keys_like(int N, int Dh, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> mix(size_t(Dh) * Dh);
+  for (auto& m : mix) m = nd(rng) / std::sqrt(float(Dh));
+  std::vector<float> x(size_t(N) * Dh);
+  for (int n = 0; n < N; ++n) {
+    std::vector<float> z(static_cast<size_t>(Dh));
+    for (int i = 0; i < Dh; ++i) z[size_t(i)] = nd(rng) * (i < 4 ? 6.f : 1.f / (1 + 0.05f * i));
+    for (int i = 0; i < Dh; ++i) {
+      float s = 0.5f;
+      for (int j = 0; j < Dh; ++j) s += mix[size_t(i) * Dh + j] * z[size_t(j)];
+      x[size_t(n) * Dh + i] = s;
+    }
+  }
+  return x;
+}
+
+double rel_mse(const VqCodec& c, const std::vector<float>& x, int N, int Dh, int stages) {
+  double num = 0, den = 0;
+  std::vector<uint16_t> codes(size_t(c.n_codes()));
+  std::vector<uint8_t> anc(c.anchors.size() + 1);
+  std::vector<float> y(static_cast<size_t>(Dh));
+  for (int n = 0; n < N; ++n) {
+    float norm;
+    c.encode(x.data() + size_t(n) * Dh, codes.data(), anc.data(), &norm);
+    c.decode(codes.data(), anc.data(), norm, stages, y.data());
+    for (int i = 0; i < Dh; ++i) {
+      const double e = y[size_t(i)] - x[size_t(n) * Dh + i];
+      num += e * e;
+      den += double(x[size_t(n) * Dh + i]) * x[size_t(n) * Dh + i];
+    }
+  }
+  return num / den;
+}
+
+TEST(KvCodec, Fp8E4m3RoundTrip) {
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7f) == 0x7f) continue;  // NaN codes are never produced
+    const float f = fp8_e4m3_to_f32(uint8_t(b));
+    EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(f)), f) << b;
+  }
+  EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(1e6f)), 448.f);  // saturates
+  for (float x = 0.02f; x < 440; x *= 1.37f) EXPECT_LE(std::fabs(fp8_e4m3_to_f32(f32_to_fp8_e4m3(x)) - x), x / 16 + 1e-3f);
+}
+
+TEST(KvCodec, GaussianLloydMaxLevels) {
+  const auto l2 = gaussian_lloyd_max(2);
+  ASSERT_EQ(l2.size(), 4u);
+  EXPECT_NEAR(l2[3], 1.510, 2e-3);
+  EXPECT_NEAR(l2[2], 0.4528, 2e-3);
+}
+
+TEST(KvCodec, RoundTripErrorBounds) {
+  const int N = 512, Dh = 64;
+  const auto x = keys_like(N, Dh, 1), held = keys_like(256, Dh, 1);  // same distribution (same mixing seed)
+  struct Case {
+    const char* name;
+    CodecSpec spec;
+    double bound;
+  };
+  std::vector<Case> cases;
+  CodecSpec pca4;
+  pca4.stage_bits = {4};
+  cases.push_back({"pca lloyd-max 4 bits", pca4, 0.01});
+  CodecSpec pca2;
+  pca2.stage_bits = {2};
+  cases.push_back({"pca lloyd-max 2 bits", pca2, 0.06});
+  CodecSpec had = kv_preset("hadamard2").k;
+  cases.push_back({"hadamard lloyd-max 2 bits", had, 0.16});
+  CodecSpec rvq = kv_preset("rvq-tiers").k;
+  cases.push_back({"pca rvq 3.25 bits", rvq, 0.05});
+  CodecSpec osk = kv_preset("oskvp").k;
+  cases.push_back({"oskvp", osk, 0.10});
+  for (const Case& c : cases) {
+    VqCodec codec;
+    codec.fit(c.spec, x.data(), N, Dh, {}, 7, 8);
+    EXPECT_LT(rel_mse(codec, held, 256, Dh, codec.n_stages()), c.bound) << c.name;
+  }
+  VqCodec fp8;
+  CodecSpec f;
+  f.kind = "fp8";
+  fp8.fit(f, x.data(), N, Dh, {}, 1, 1);
+  std::vector<float> y(held.begin(), held.begin() + Dh);
+  fp8.roundtrip_elementwise(y.data());
+  for (int i = 0; i < Dh; ++i) EXPECT_NEAR(y[size_t(i)], held[size_t(i)], std::fabs(held[size_t(i)]) / 16 + fp8.fp8_scale * 0.02);
+}
+
+TEST(KvCodec, KiviRoundTripWithinHalfAStep) {
+  const int P = 32, Dh = 64;
+  auto x = keys_like(P, Dh, 3);
+  VqCodec c;
+  CodecSpec s = kv_preset("kivi2").k;
+  c.fit(s, x.data(), P, Dh, {}, 1, 1);
+  for (bool key : {true, false}) {
+    auto y = x;
+    c.kivi_roundtrip(y.data(), P, Dh, key);
+    for (int t = 0; t < P; ++t)
+      for (int i = 0; i < Dh; ++i) {
+        float lo = INFINITY, hi = -INFINITY;  // the group this element belongs to
+        for (int j = 0; j < 32; ++j) {
+          const float v = key ? x[size_t(j) * Dh + i] : x[size_t(t) * Dh + (i / 32) * 32 + j];
+          lo = std::min(lo, v), hi = std::max(hi, v);
+        }
+        EXPECT_LE(std::fabs(y[size_t(t) * Dh + i] - x[size_t(t) * Dh + i]), (hi - lo) / 3 * 0.51 + 0.02 * std::fabs(hi - lo) + 1e-2);
+      }
+  }
+}
+
+TEST(KvCodec, TruncatedRvqEqualsFewerStages) {
+  const int N = 512, Dh = 64;
+  const auto x = keys_like(N, Dh, 5);
+  CodecSpec s;
+  s.dim = 4;
+  s.stage_bits = {1.0, 0.75, 1.0};
+  s.allocate = false;
+  VqCodec full;
+  full.fit(s, x.data(), N, Dh, {}, 9, 6);
+  s.stage_bits = {1.0, 0.75};
+  VqCodec two;
+  two.fit(s, x.data(), N, Dh, {}, 9, 6);
+  ASSERT_EQ(two.n_stages(), 2);
+  // The first two stages are fitted identically; encoding with them is a prefix of the full code.
+  std::vector<uint16_t> cf(size_t(full.n_codes())), c2(size_t(two.n_codes()));
+  std::vector<uint8_t> a(1);
+  std::vector<float> yf(static_cast<size_t>(Dh)), y2(static_cast<size_t>(Dh));
+  for (int n = 0; n < 64; ++n) {
+    float nf, n2;
+    full.encode(x.data() + size_t(n) * Dh, cf.data(), a.data(), &nf);
+    two.encode(x.data() + size_t(n) * Dh, c2.data(), a.data(), &n2);
+    for (int i = 0; i < two.n_codes(); ++i) ASSERT_EQ(cf[size_t(i)], c2[size_t(i)]);
+    full.decode(cf.data(), a.data(), nf, 2, yf.data());
+    two.decode(c2.data(), a.data(), n2, 2, y2.data());
+    for (int i = 0; i < Dh; ++i) EXPECT_EQ(yf[size_t(i)], y2[size_t(i)]);
+  }
+  EXPECT_LT(rel_mse(full, x, N, Dh, 3), rel_mse(full, x, N, Dh, 2));
+  EXPECT_LT(rel_mse(full, x, N, Dh, 2), rel_mse(full, x, N, Dh, 1));
+}
+
+KvSpec small_spec(const std::string& preset) {
+  KvSpec s = kv_preset(preset);
+  s.sink = 4;
+  s.window = 16;
+  s.middle = 48;
+  s.page = preset.rfind("kivi", 0) == 0 ? 32 : 8;
+  s.calib_tokens = 64;
+  return s;
+}
+
+std::vector<float> rnd(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// Appends `lens` chunks of random K/V/Q to a one-layer cache and returns the last attention.
+std::vector<float> run_cache(KvCache& c, const KvGeometry& g, const std::vector<int>& lens, uint64_t seed) {
+  std::vector<float> out;
+  int pos = 0;
+  for (int T : lens) {
+    const auto k = rnd(size_t(T) * g.num_kv_heads * g.head_dim, seed + pos * 3);
+    const auto v = rnd(size_t(T) * g.num_kv_heads * g.head_dim, seed + pos * 3 + 1);
+    const auto q = rnd(size_t(T) * g.num_heads * g.head_dim, seed + pos * 3 + 2);
+    for (int l = 0; l < g.num_layers; ++l) {
+      c.append(l, k.data(), v.data(), T);
+      out.assign(size_t(T) * g.num_heads * g.head_dim, 0.f);
+      c.attend(l, q.data(), T, out.data());
+    }
+    pos += T;
+  }
+  return out;
+}
+
+TEST(TieredKvCache, LookupTablesMatchDecodedAttention) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  for (const char* preset : {"default", "rvq-tiers", "oskvp", "hadamard2"}) {
+    KvSpec a = small_spec(preset);
+    a.k.pre_rope = false;  // pre-RoPE keys are decoded per key (RoPE differs per position): no tables
+    KvSpec b = a;
+    a.lut_max_tokens = 1;  // the single-token steps below go through lookup tables
+    b.lut_max_tokens = 0;  // always the decoded shadow
+    a.archive_stages = b.archive_stages = a.k.stage_bits.size() > 1 ? 2 : 0;
+    auto ca = make_kv_cache(g, a), cb = make_kv_cache(g, b);
+    std::vector<int> lens = {70, 30};
+    for (int i = 0; i < 9; ++i) lens.push_back(1);  // decode steps cross page boundaries
+    const auto oa = run_cache(*ca, g, lens, 11), ob = run_cache(*cb, g, lens, 11);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < oa.size(); ++i) num += (oa[i] - ob[i]) * (oa[i] - ob[i]), den += ob[i] * ob[i];
+    EXPECT_LT(std::sqrt(num / den), 2e-6) << preset;
+  }
+}
+
+TEST(TieredKvCache, PagesMigrateAndEveryTokenIsInOneTier) {
+  const KvGeometry g{2, 1, 2, 16, 10000.f};
+  KvSpec s = small_spec("rvq-tiers");
+  s.archive_stages = 2;
+  auto c = make_kv_cache(g, s);
+  std::mt19937 rng(3);
+  int len = 0, last_archive = 0;
+  for (int step = 0; step < 60; ++step) {
+    const int T = step < 3 ? 20 + int(rng() % 30) : 1 + int(rng() % 5);
+    run_cache(*c, g, {T}, uint64_t(step));
+    len += T;
+    const auto st = c->stats();
+    long total = 0;
+    for (const auto& t : st.tiers) total += t.tokens;
+    ASSERT_EQ(total, len) << "step " << step;
+    ASSERT_EQ(st.tiers[0].tier, "sink");
+    EXPECT_EQ(st.tiers[0].tokens, std::min(len, 4));
+    if (len >= s.calib_tokens) {
+      // The exact tail holds less than W plus one page; older tokens sit in whole pages.
+      EXPECT_LT(st.tiers[1].tokens, s.window + s.page);
+      EXPECT_GE(st.tiers[1].tokens + st.tiers[0].tokens, std::min(len, s.window));
+      EXPECT_GE(st.tiers[3].tokens, last_archive);  // the archive only grows
+      last_archive = int(st.tiers[3].tokens);
+      EXPECT_EQ((st.tiers[3].tokens + 4) % s.page, 0);
+      EXPECT_LT(st.tiers[3].k_bits, st.tiers[2].k_bits);  // archive keeps a prefix of the stages
+    }
+  }
+  EXPECT_GT(last_archive, 0);
+}
+
+TEST(TieredKvCache, CalibrationIsDeterministicForASeed) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  auto codecs = [&](uint64_t seed) {
+    KvSpec s = small_spec("rvq-tiers");
+    s.seed = seed;
+    auto c = make_kv_cache(g, s);
+    run_cache(*c, g, {80}, 5);
+    std::ostringstream o;
+    for (const auto& cd : tiered_cache_codecs(*c)) cd.save(o);
+    return o.str();
+  };
+  const std::string a = codecs(1);
+  EXPECT_FALSE(a.empty());
+  EXPECT_EQ(a, codecs(1));
+  EXPECT_NE(a, codecs(2));
+}
+
+TEST(KvSpecConfig, BadKeysAreNamed) {
+  auto err = [](const char* text) {
+    try {
+      kv_spec_from_json(nlohmann::json::parse(text), "cfg.json");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(err(R"({"windw": 128})").find("windw"), std::string::npos);
+  EXPECT_NE(err(R"({"k": {"bitz": 2}})").find("k.bitz"), std::string::npos);
+  EXPECT_NE(err(R"({"v": {"rotation": "dct"}})").find("v.rotation"), std::string::npos);
+  EXPECT_NE(err(R"({"window": "big"})").find("window"), std::string::npos);
+  EXPECT_NE(err(R"({"preset": "nope"})").find("nope"), std::string::npos);
+  EXPECT_NE(err(R"({"middle": 8, "window": 64})").find("middle"), std::string::npos);
+  EXPECT_EQ(err(R"({"preset": "rvq-tiers", "middle": 1024, "k": {"stage_bits": [1, 1]}})"), "no error");
+  EXPECT_THROW(kv_preset("kivi3"), InputError);
+  for (const auto& n : kv_preset_names()) EXPECT_NO_THROW(kv_spec_from_json({{"preset", n}}, "x")) << n;
+}
+
+TEST(KvProfile, SavedLoadedAndRefusedForAnotherModel) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  KvSpec s = small_spec("default");
+  auto c = make_kv_cache(g, s);
+  const auto out_online = run_cache(*c, g, {100, 1}, 21);
+  KvProfile p;
+  p.model = "model-a";
+  p.geometry = g;
+  p.codec_spec = codec_spec_json(s);
+  p.codecs = tiered_cache_codecs(*c);
+  const std::string path = ::testing::TempDir() + "/kv_test.prof";
+  p.save(path);
+  KvProfile q = KvProfile::load(path);
+  EXPECT_NO_THROW(q.check_compatible("model-a", g, s, path));
+  try {
+    q.check_compatible("model-b", g, s, path);
+    ADD_FAILURE() << "accepted a profile of another model";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("another model"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(q.check_compatible("model-a", g, kv_preset("oskvp"), path), InputError);
+  // A cache built from the loaded profile codes from the first token on.
+  auto d = make_kv_cache(g, s, &q);
+  run_cache(*d, g, {40}, 21);
+  EXPECT_GT(d->stats().tiers[2].tokens, 0);
+  EXPECT_THROW(KvProfile::load(path + ".missing"), InputError);
+}
+
+}  // namespace
+}  // namespace tiermoe
