@@ -307,3 +307,64 @@ TEST(KvProfile, SavedLoadedAndRefusedForAnotherModel) {
 
 }  // namespace
 }  // namespace tiermoe
+
+// The command line: ppl's accounting keys, a bad --kv-config, needle's JSON.
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <sys/wait.h>
+
+#include "test_util.h"
+
+namespace tiermoe {
+namespace {
+
+std::pair<int, std::string> kv_cli(const std::string& args) {
+  const char* bin = std::getenv("TIERMOE_BIN");
+  FILE* p = popen((std::string(bin ? bin : "tiermoe") + " " + args + " 2>&1").c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST(KvCli, PplReportsBitsBytesAndKl) {
+  const std::string cfg = ::testing::TempDir() + "/kv_small.json";
+  std::ofstream(cfg) << R"({"preset": "default", "calib_tokens": 64, "window": 32, "middle": 128})";
+  const std::string m = test::tinymix_dir();
+  auto [st, out] = kv_cli("ppl --model " + m + " --file " + m + "/heldout.txt --ctx 256 --windows 1 --kv-config " + cfg +
+                          " --ref-kv bf16 --json");
+  ASSERT_EQ(st, 0) << out;
+  auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  for (const char* key : {"ppl", "bits_per_value", "kv_bytes_ratio", "kl_vs_ref", "tiers", "metadata_bytes"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_GT(j["kv_bytes_ratio"].get<double>(), 1.5);
+  EXPECT_GE(j["kl_vs_ref"].get<double>(), 0.0);
+  EXPECT_LT(j["bits_per_value"].get<double>(), 16.0);
+  long tokens = 0;
+  for (auto& t : j["tiers"]) tokens += t["tokens"].get<long>();
+  EXPECT_EQ(tokens, 256);
+
+  std::ofstream(cfg) << R"({"preset": "default", "k": {"stage_bitz": [2]}})";
+  auto [st2, out2] = kv_cli("ppl --model " + m + " --file " + m + "/heldout.txt --ctx 256 --windows 1 --kv-config " + cfg);
+  EXPECT_EQ(st2, 2) << out2;
+  EXPECT_NE(out2.find("k.stage_bitz"), std::string::npos) << out2;
+  auto [st3, out3] = kv_cli("ppl --model " + m + " --file " + m + "/heldout.txt --kv nope");
+  EXPECT_EQ(st3, 2);
+  EXPECT_NE(out3.find("nope"), std::string::npos) << out3;
+}
+
+TEST(KvCli, NeedleJson) {
+  const std::string m = test::tinymix_dir();
+  auto [st, out] = kv_cli("needle --model " + m + " --kv bf16 --lengths 256 --trials 1 --json");
+  ASSERT_EQ(st, 0) << out;
+  auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  EXPECT_EQ(j["rows"].size(), 1u);
+  EXPECT_GE(j["accuracy"].get<double>(), 0.0);
+  EXPECT_LE(j["accuracy"].get<double>(), 1.0);
+}
+
+}  // namespace
+}  // namespace tiermoe
