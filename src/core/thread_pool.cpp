@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -14,18 +15,21 @@ namespace {
 
 // Workers spin briefly before sleeping: a decode step issues dozens of short loops, and a
 // condition-variable wake-up per loop would cost more than the loop itself.
+// Each worker has its own start signal, raised only when it takes part in a loop: a worker
+// left out of one loop can then never pick up the parameters of the next one half-written.
 class ThreadPool {
   static constexpr int kSpins = 20000;  // ~1 ms of pausing, then as long again of yielding
 
  public:
-  explicit ThreadPool(int n) : n_threads_(std::max(1, n)) {
+  explicit ThreadPool(int n) : n_threads_(std::max(1, n)), go_(new std::atomic<uint64_t>[size_t(n_threads_)]) {
+    for (int i = 0; i < n_threads_; ++i) go_[i].store(0);
     for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker(i); });
   }
   ~ThreadPool() {
     {
       std::lock_guard lock(mu_);
       stop_ = true;
-      generation_.fetch_add(1);
+      for (int i = 1; i < n_threads_; ++i) go_[i].fetch_add(1);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -48,7 +52,7 @@ class ThreadPool {
     pending_.store(used - 1);
     {
       std::lock_guard lock(mu_);
-      generation_.fetch_add(1);
+      for (int i = 1; i < used; ++i) go_[i].fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     run_chunk(0);
@@ -70,36 +74,38 @@ class ThreadPool {
   void worker(int i) {
     uint64_t seen = 0;
     for (;;) {
-      uint64_t g = generation_.load(std::memory_order_acquire);
+      uint64_t g = go_[i].load(std::memory_order_acquire);
       for (int spin = 0; g == seen && spin < kSpins; ++spin) {
         if (spin < kSpins / 2) _mm_pause(); else std::this_thread::yield();
-        g = generation_.load(std::memory_order_acquire);
+        g = go_[i].load(std::memory_order_acquire);
       }
       if (g == seen) {
         std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return generation_.load() != seen; });
-        g = generation_.load();
+        cv_.wait(lock, [&] { return go_[i].load() != seen; });
+        g = go_[i].load();
       }
       seen = g;
       if (stop_) return;
-      if (i < used_) {
-        run_chunk(i);
-        pending_.fetch_sub(1, std::memory_order_release);
-      }
+      run_chunk(i);
+      pending_.fetch_sub(1, std::memory_order_release);
     }
   }
 
   int n_threads_;
+  std::unique_ptr<std::atomic<uint64_t>[]> go_;  // [n_threads]: bumped to start worker i
   std::vector<std::thread> workers_;
   std::mutex mu_, run_mu_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
   const std::function<void(size_t, size_t)>* fn_ = nullptr;
   size_t n_ = 0, grain_ = 1;
   int used_ = 0;
 };
+
+}  // namespace
+
+namespace {
 
 int default_threads() {
   if (const char* env = std::getenv("TIERMOE_THREADS")) {
