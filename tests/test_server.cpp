@@ -334,8 +334,12 @@ TEST(Server, ConcurrentStreamsMatchRequestsAlone) {
   EXPECT_EQ(test::metric(port, "tiermoe_kv_reserved_bytes"), 0);
   EXPECT_EQ(test::metric(port, "tiermoe_queue_depth"), 0);
   const long rss1 = srv.rss_kb();
-  EXPECT_LT(rss1 - rss0, 256 * 1024) << "RSS grew from " << rss0 << " kB to " << rss1 << " kB";
-  EXPECT_EQ(srv.stop(), 0);
+  long bound_kb = 256 * 1024;
+#ifdef __SANITIZE_ADDRESS__
+  bound_kb += 512 * 1024;  // ASan keeps freed memory in quarantine (256 MB by default)
+#endif
+  EXPECT_LT(rss1 - rss0, bound_kb) << "RSS grew from " << rss0 << " kB to " << rss1 << " kB";
+  EXPECT_EQ(srv.stop(), 0);  // under ASan, LeakSanitizer at the server's exit would make this non-zero
 }
 
 }  // namespace
