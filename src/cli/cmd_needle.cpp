@@ -2,6 +2,7 @@
 // be reproduced when asked for at the end (`assert NAME == "`), greedy, through the KV cache.
 #include <cstdio>
 #include <filesystem>
+#include <algorithm>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -29,7 +30,8 @@ int run_needle(const CommonOptions& c, const std::string& file_arg, const std::v
   ProgressBar bar("needle", lengths.size() * size_t(trials));
   for (size_t li = 0; li < lengths.size(); ++li)
     for (int t = 0; t < trials; ++t) {
-      const int L = lengths[li];
+      // The answer needs room: a prompt of the full context could not generate a token.
+      const int L = std::min(lengths[li], engine.config().max_position_embeddings - 8);
       const std::string name = "SECRET_" + std::to_string(100 + rng() % 900);
       std::string value;
       for (int i = 0; i < 4; ++i) value += alnum[rng() % 36];
