@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "core/thread_pool.h"
+#include "engine/stop_matcher.h"
 #include "kv/kv_profile.h"
 
 namespace tiermoe {
@@ -17,41 +18,6 @@ namespace {
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
-
-// Holds back the tail of the text that could still grow into a stop string.
-class StopMatcher {
- public:
-  explicit StopMatcher(const std::vector<std::string>& stop) : stop_(stop) {}
-
-  // Adds text; returns what can be released. Sets `stopped` when a stop string appeared.
-  std::string push(const std::string& piece, bool* stopped) {
-    pending_ += piece;
-    size_t cut = std::string::npos;
-    for (const auto& s : stop_)
-      if (!s.empty()) cut = std::min(cut, pending_.find(s));
-    if (cut != std::string::npos) {
-      *stopped = true;
-      std::string out = pending_.substr(0, cut);
-      pending_.clear();
-      return out;
-    }
-    size_t keep = 0;
-    for (const auto& s : stop_)
-      for (size_t n = std::min(s.size() - 1, pending_.size()); n > keep; --n)
-        if (pending_.compare(pending_.size() - n, n, s, 0, n) == 0) {
-          keep = n;
-          break;
-        }
-    std::string out = pending_.substr(0, pending_.size() - keep);
-    pending_.erase(0, pending_.size() - keep);
-    return out;
-  }
-  std::string flush() { return std::exchange(pending_, {}); }
-
- private:
-  const std::vector<std::string>& stop_;
-  std::string pending_;
-};
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "engine/stop_matcher.h"
 
 namespace tiermoe {
 namespace {
@@ -16,39 +17,6 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 constexpr int kPageTokens = 16;      // reservations round up to whole pages
 constexpr int kMinPrefillChunk = 16;  // prefill progresses even when decodes fill the step
 
-// Holds back the tail of the text that could still grow into a stop string.
-class StopMatcher {
- public:
-  explicit StopMatcher(std::vector<std::string> stop) : stop_(std::move(stop)) {}
-
-  std::string push(const std::string& piece, bool* stopped) {
-    pending_ += piece;
-    size_t cut = std::string::npos;
-    for (const auto& s : stop_)
-      if (!s.empty()) cut = std::min(cut, pending_.find(s));
-    if (cut != std::string::npos) {
-      *stopped = true;
-      std::string out = pending_.substr(0, cut);
-      pending_.clear();
-      return out;
-    }
-    size_t keep = 0;
-    for (const auto& s : stop_)
-      for (size_t n = std::min(s.size() - 1, pending_.size()); n > keep; --n)
-        if (pending_.compare(pending_.size() - n, n, s, 0, n) == 0) {
-          keep = n;
-          break;
-        }
-    std::string out = pending_.substr(0, pending_.size() - keep);
-    pending_.erase(0, pending_.size() - keep);
-    return out;
-  }
-  std::string flush() { return std::exchange(pending_, {}); }
-
- private:
-  std::vector<std::string> stop_;
-  std::string pending_;
-};
 
 }  // namespace
 
