@@ -28,7 +28,9 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   int threads = c.threads;
   if (threads <= 0 && !std::getenv("TIERMOE_THREADS"))
     threads = std::max(1, int(std::thread::hardware_concurrency()) - 1);
-  Engine engine({c.model_dir, c.kv, threads});
+  EngineOptions eo = engine_options(c);  // --kv, --kv-config, --kv-profile as every command
+  eo.threads = threads;
+  Engine engine(eo);
   ServerOptions opts;
   opts.host = s.host;
   opts.port = s.port;
