@@ -8,14 +8,7 @@
 namespace tiermoe {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 nlohmann::json tiny_mixtral_config() {
   return {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 8}, {"intermediate_size", 4},

@@ -8,14 +8,7 @@
 namespace tiermoe {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 TEST(Safetensors, ReadsTensorsAndShapes) {
   const std::string dir = test::temp_dir("st_ok");

@@ -21,6 +21,7 @@
 #include "tokenizer/pretokenize.h"
 #include "tokenizer/regex.h"
 #include "tokenizer/tokenizer.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -233,15 +234,7 @@ std::vector<std::string> regex_pieces(const char* regex, const std::string& text
   return s;
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "(no InputError)";
-}
+using tiermoe::test::error_of;
 
 }  // namespace
 

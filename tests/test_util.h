@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "io/safetensors.h"
 
 namespace tiermoe::test {
@@ -103,6 +104,17 @@ inline void write_text(const std::string& path, const std::string& text) { std::
 }  // namespace tiermoe::test
 
 namespace tiermoe::test {
+
+// The message of the InputError fn throws, or "(no InputError)".
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no InputError)";
+}
+
 inline std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});

@@ -3,9 +3,11 @@
 // reference every other backend is checked against.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kv/kv_cache.h"
 #include "model/weights.h"
@@ -39,6 +41,12 @@ class Backend {
     forward_batch(std::span(&step, 1), logits);
   }
 };
+
+// Cuts batched steps into passes of at most max_tokens tokens and calls run_pass on each,
+// with the pointer to that pass's first logits row. A long prompt spans several passes, one
+// piece per pass, so each cache sees its tokens in order. Shared by every backend.
+void split_into_passes(std::span<const Backend::SeqStep> steps, int max_tokens, int vocab, float* logits,
+                       const std::function<void(const std::vector<Backend::SeqStep>&, float*)>& run_pass);
 
 struct CpuBackendOptions {
   KvDType kv_dtype = KvDType::F32;

@@ -223,31 +223,8 @@ class CudaBackend final : public Backend {
   }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
-    std::vector<SeqStep> pass;
-    int pass_tokens = 0;
-    size_t logit_rows = 0;
-    auto flush = [&] {
-      if (pass.empty()) return;
-      forward_pass(pass, logits ? logits + logit_rows * size_t(cfg_.vocab_size) : nullptr);
-      for (const SeqStep& p : pass) logit_rows += size_t(p.n_logits);
-      pass.clear();
-      pass_tokens = 0;
-    };
-    for (const SeqStep& s : steps) {
-      const int n = int(s.tokens.size());
-      CHECK(s.cache != nullptr && s.n_logits >= 0 && s.n_logits <= n);
-      for (int start = 0; start < n;) {
-        if (pass_tokens == opts_.max_chunk) flush();
-        const int take = std::min(n - start, opts_.max_chunk - pass_tokens);
-        const int first_logit = n - s.n_logits;
-        const int piece_logits = std::max(0, start + take - std::max(first_logit, start));
-        pass.push_back({s.tokens.subspan(start, take), s.cache, piece_logits});
-        pass_tokens += take;
-        start += take;
-        if (start < n) flush();
-      }
-    }
-    flush();
+    split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, logits,
+                      [&](const std::vector<SeqStep>& pass, float* out) { forward_pass(pass, out); });
   }
 
   // Weights: from a checkpoint, or random (dummy).

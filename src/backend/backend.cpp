@@ -1,0 +1,38 @@
+#include "backend/backend.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace tiermoe {
+
+void split_into_passes(std::span<const Backend::SeqStep> steps, int max_tokens, int vocab, float* logits,
+                       const std::function<void(const std::vector<Backend::SeqStep>&, float*)>& run_pass) {
+  std::vector<Backend::SeqStep> pass;
+  int pass_tokens = 0;
+  size_t logit_rows = 0;
+  auto flush = [&] {
+    if (pass.empty()) return;
+    run_pass(pass, logits ? logits + logit_rows * size_t(vocab) : nullptr);
+    for (const Backend::SeqStep& p : pass) logit_rows += size_t(p.n_logits);
+    pass.clear();
+    pass_tokens = 0;
+  };
+  for (const Backend::SeqStep& s : steps) {
+    const int n = int(s.tokens.size());
+    CHECK(s.cache != nullptr && s.n_logits >= 0 && s.n_logits <= n);
+    for (int start = 0; start < n;) {
+      if (pass_tokens == max_tokens) flush();
+      const int take = std::min(n - start, max_tokens - pass_tokens);
+      const int first_logit = n - s.n_logits;  // index of this step's first token needing logits
+      const int piece_logits = std::max(0, start + take - std::max(first_logit, start));
+      pass.push_back({s.tokens.subspan(start, take), s.cache, piece_logits});
+      pass_tokens += take;
+      start += take;
+      if (start < n) flush();  // the rest of this sequence must see this piece's KV
+    }
+  }
+  flush();
+}
+
+}  // namespace tiermoe
