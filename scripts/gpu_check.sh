@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again]   (quick: no large published configs;
-#   benchonly: no correctness check; again: the kernel table repeated plus racecheck/initcheck)
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile]   (quick: no large published configs;
+#   benchonly: no correctness check; again: the kernel table repeated plus racecheck/initcheck;
+#   profile: per-kernel times of one decode step under ncu)
 # Binaries: ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and carried, when the
 # machine lacks the tokenizer's libraries), else built here with CMake.
 set -uo pipefail
@@ -28,6 +29,26 @@ if [ "$MODE" = again ]; then  # the kernel table twice more, then the race and i
     log $tool; timeout 100 compute-sanitizer --tool $tool $C --kernels-only > "$OUT/$tool.txt" 2>&1; tail -4 "$OUT/$tool.txt"
   done
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
+fi
+if [ "$MODE" = profile ]; then  # ncu: every kernel of one eager decode step, summed per kernel name
+  for cc in "olmoe-1b-7b-v8192.json 16" "olmoe-1b-7b-v8192.json 4096" "qwen3-30b-a3b-L16-v8192.json 4096"; do
+    set -- $cc; log "profile $1 ctx=$2"
+    TIERMOE_CUDA_GRAPHS=0 timeout 120 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \
+      --csv --print-units base --log-file "$OUT/ncu.csv" $C profile --config configs/$1 --ctx $2 > /dev/null
+    python3 - "$OUT/ncu.csv" "$1 ctx=$2" <<'PY' | tee -a "$OUT/profile.txt"
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')) if r[-1].replace('.', '').isdigit()]
+tot = collections.OrderedDict()
+for r in rows:
+    name = r[4].split('(')[0].split('<')[0].replace('tiermoe::cuda::', '').replace('(anonymous namespace)::', '')
+    c, t = tot.get(name, (0, 0.0)); tot[name] = (c + 1, t + float(r[-1]) / 1e3)
+s = sum(t for c, t in tot.values())
+print(f"== {sys.argv[2]}: {len(rows)} kernels, {s:.1f} us of kernel time (ncu, serialized)")
+for n, (c, t) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
+    print(f"  {n:32s} x{c:4d} {t:8.1f} us  {t / c:6.2f} us each  {100 * t / s:5.1f}%")
+PY
+  done
+  exit 0
 fi
 bench() {  # config-or-model ctx gen repeats [env]
   local src=$1 ctx=$2 gen=$3 rep=$4 arg

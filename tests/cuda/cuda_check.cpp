@@ -10,6 +10,9 @@
 //        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R]
 //   the same measurement and JSON as `tiermoe bench --backend cuda [--load-format dummy]`, for
 //   machines without the CLI's tokenizer libraries.
+//        tiermoe_cuda_check profile --config FILE [--ctx C]
+//   one decode step after a C-token prompt inside cudaProfilerStart/Stop, for
+//   `ncu --profile-from-start off` (the per-kernel time breakdown of a step).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,6 +23,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <cuda_profiler_api.h>
 
 #include "backend/backend.h"
 #include "cli/bench_core.h"
@@ -426,8 +431,37 @@ int bench_main(int argc, char** argv) {
   return 0;
 }
 
+int profile_main(int argc, char** argv) {
+  std::string config;
+  int ctx = 16;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--config") config = v;
+    else if (k == "--ctx") ctx = std::stoi(v);
+    else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
+  }
+  const ModelConfig cfg = parse_config(test::read_file(config), config);
+  auto b = make_cuda_backend_dummy(cfg);
+  auto cache = b->new_cache();
+  std::vector<int32_t> prompt(static_cast<size_t>(ctx));
+  for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
+  std::vector<float> logits(size_t(cfg.vocab_size));
+  b->forward(prompt, *cache, 1, logits.data());
+  for (int i = 0; i < 3; ++i) {  // warm: graphs captured, caches of the GPU filled as in a long decode
+    const int32_t next = argmax(logits);
+    b->forward(std::span(&next, 1), *cache, 1, logits.data());
+  }
+  const int32_t next = argmax(logits);
+  CK(cudaProfilerStart());
+  b->forward(std::span(&next, 1), *cache, 1, logits.data());
+  CK(cudaProfilerStop());
+  std::printf("profiled one decode step at position %d\n", ctx + 3);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
+  if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
   const bool kernels_only = argc > 1 && std::strcmp(argv[1], "--kernels-only") == 0;
   std::printf("device: %s\n", cuda_device_name().c_str());
   std::printf("== kernels vs CPU twins ==\n");
