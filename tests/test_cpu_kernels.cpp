@@ -16,14 +16,6 @@
 namespace tiermoe {
 namespace {
 
-std::vector<float> randn(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d;
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
 // Weights rounded to `dt`, returned both as raw bytes and as the exact float values.
 std::pair<std::vector<uint16_t>, std::vector<float>> round_to(const std::vector<float>& w, DType dt) {
   std::vector<uint16_t> raw(w.size());
@@ -44,8 +36,8 @@ TEST(Matmul, MatchesDoubleReferenceOverShapesAndDtypes) {
     for (int T : Ts)
       for (int N : Ns)
         for (int K : Ks) {
-          auto x = randn(size_t(T) * K, seed++);
-          auto w = randn(size_t(N) * K, seed++);
+          auto x = test::randn(size_t(T) * K, seed++);
+          auto w = test::randn(size_t(N) * K, seed++);
           std::vector<uint16_t> raw;
           if (dt != DType::F32) std::tie(raw, w) = round_to(w, dt);
           const void* wp = dt == DType::F32 ? static_cast<const void*>(w.data()) : raw.data();
@@ -92,7 +84,7 @@ TEST(Router, TopKMatchesSortedSoftmaxWithLowerIndexOnTies) {
 
 TEST(Rmsnorm, MatchesFormula) {
   for (int D : {1, 7, 64, 513}) {
-    auto x = randn(size_t(3) * D, D), w = randn(D, D + 1);
+    auto x = test::randn(size_t(3) * D, D), w = test::randn(D, D + 1);
     std::vector<float> y(x.size());
     rmsnorm(y.data(), x.data(), w.data(), 3, D, 1e-5f);
     for (int t = 0; t < 3; ++t) {
@@ -106,7 +98,7 @@ TEST(Rmsnorm, MatchesFormula) {
 
 TEST(Rope, RotatesHalvesAndKeepsNorm) {
   const int Dh = 16, H = 3, T = 4;
-  auto x = randn(size_t(T) * H * Dh, 3);
+  auto x = test::randn(size_t(T) * H * Dh, 3);
   auto y = x;
   const int32_t pos[T] = {0, 1, 17, 4095};
   rope(y.data(), pos, T, H, Dh, 10000.f);
@@ -125,7 +117,7 @@ TEST(Attention, CausalGqaMatchesNaive) {
   for (auto [T, n_past, H, Hkv, Dh] : std::vector<std::array<int, 5>>{
            {1, 0, 1, 1, 8}, {1, 9, 4, 2, 16}, {5, 0, 4, 1, 12}, {7, 3, 6, 3, 128}, {3, 30, 2, 2, 5}}) {
     const int n = n_past + T;
-    auto q = randn(size_t(T) * H * Dh, 11), k = randn(size_t(n) * Hkv * Dh, 12), v = randn(size_t(n) * Hkv * Dh, 13);
+    auto q = test::randn(size_t(T) * H * Dh, 11), k = test::randn(size_t(n) * Hkv * Dh, 12), v = test::randn(size_t(n) * Hkv * Dh, 13);
     std::vector<float> out(q.size(), NAN);
     attention_causal(out.data(), q.data(), k.data(), v.data(), DType::F32, T, n_past, H, Hkv, Dh);
     for (int t = 0; t < T; ++t)
@@ -157,7 +149,7 @@ TEST(Sampler, GreedyAndTies) {
 }
 
 TEST(Sampler, SeedReproducesAndTopKRestricts) {
-  std::vector<float> l = randn(100, 5);
+  std::vector<float> l = test::randn(100, 5);
   Sampler a({1.0f, 5, 1.0f, 42}), b({1.0f, 5, 1.0f, 42});
   std::vector<int> top(100);
   std::iota(top.begin(), top.end(), 0);

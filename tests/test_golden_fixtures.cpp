@@ -7,7 +7,6 @@
 #include <set>
 
 #include "backend/backend.h"
-#include "engine/sampler.h"
 #include "test_util.h"
 
 namespace tiermoe {
@@ -50,15 +49,7 @@ TEST_P(GoldenFixture, GreedyTokensThroughKvCache) {
   auto ids = test::ints(ref_->get("ids"));
   const auto expected = test::ints(ref_->get("greedy_ids"));
   auto backend = make_cpu_backend(*weights_);
-  auto cache = backend->new_cache();
-  std::vector<float> logits(weights_->cfg.vocab_size);
-  backend->forward(ids, *cache, 1, logits.data());
-  std::vector<int32_t> got;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const int32_t next = argmax(logits);
-    got.push_back(next);
-    backend->forward(std::span(&next, 1), *cache, 1, logits.data());
-  }
+  const auto got = test::greedy_tokens(*backend, weights_->cfg.vocab_size, ids, expected.size());
   EXPECT_EQ(got, expected);
 }
 

@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 
 #include "backend/backend.h"
-#include "engine/sampler.h"
 #include "test_util.h"
 
 namespace tiermoe {
@@ -57,17 +56,8 @@ TEST_F(TinymixReference, LongContextLogits) {
 TEST_F(TinymixReference, Greedy32TokensExact) {
   auto ids = ints(ref_->get("short_ids"));
   const auto expected = ints(ref_->get("short_greedy_ids"));
-  const int V = weights_->cfg.vocab_size;
   auto backend = make_cpu_backend(*weights_);
-  auto cache = backend->new_cache();
-  std::vector<float> logits(V);
-  backend->forward(ids, *cache, 1, logits.data());
-  std::vector<int32_t> got;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const int32_t next = argmax(logits);
-    got.push_back(next);
-    backend->forward(std::span(&next, 1), *cache, 1, logits.data());
-  }
+  const auto got = test::greedy_tokens(*backend, weights_->cfg.vocab_size, ids, expected.size());
   EXPECT_EQ(got, expected);
 }
 

@@ -5,11 +5,15 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <random>
+#include <span>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/check.h"
+#include "engine/sampler.h"
 #include "io/safetensors.h"
 
 namespace tiermoe::test {
@@ -37,6 +41,29 @@ inline std::vector<float> floats(const TensorView& t) {
   std::vector<float> out(size_t(t.numel()));
   for (size_t i = 0; i < out.size(); ++i) out[i] = load_f32(t.data, t.dtype, i);
   return out;
+}
+
+// n greedy tokens after `prompt`, decoded one at a time through a fresh KV cache.
+inline std::vector<int32_t> greedy_tokens(Backend& backend, int vocab, std::span<const int32_t> prompt, size_t n) {
+  auto cache = backend.new_cache();
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  backend.forward(prompt, *cache, 1, logits.data());
+  std::vector<int32_t> got;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t next = argmax(logits);
+    got.push_back(next);
+    backend.forward(std::span(&next, 1), *cache, 1, logits.data());
+  }
+  return got;
+}
+
+// Standard-normal floats, deterministic for a seed.
+inline std::vector<float> randn(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d;
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
 }
 
 // ||a - b|| / ||b||
