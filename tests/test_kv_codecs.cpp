@@ -240,6 +240,34 @@ TEST(TieredKvCache, PagesMigrateAndEveryTokenIsInOneTier) {
   EXPECT_GT(last_archive, 0);
 }
 
+// Past the window a page keeps only its codes: the bytes the cache allocates for tokens match
+// what it accounts (stats().token_bytes), up to the per-page overhead: the partial last page's
+// reserved BF16 rows, a byte of padding per packed page, the sink's codes in the first page.
+TEST(TieredKvCache, HoldsWhatItAccountsFor) {
+  const KvGeometry g{2, 2, 4, 32, 10000.f};
+  const double row_bytes = g.num_kv_heads * g.head_dim * 2.0;  // one BF16 row of K or V
+  for (const char* preset : {"default", "rvq-tiers", "hadamard2", "oskvp", "kivi2", "fp8"}) {
+    KvSpec s = small_spec(preset);
+    s.archive_stages = s.k.stage_bits.size() > 1 ? 1 : 0;
+    auto c = make_kv_cache(g, s);
+    std::vector<int> lens = {40, 40, 33};
+    for (int i = 0; i < 70; ++i) lens.push_back(1 + i % 3);
+    int len = 0;
+    for (int T : lens) {
+      run_cache(*c, g, {T}, uint64_t(len) + 7);
+      len += T;
+      const auto st = c->stats();
+      const double pages = (len + s.page - 1) / s.page;
+      const double slack = g.num_layers * 2 * (s.page * row_bytes + pages + s.sink * row_bytes);
+      ASSERT_GE(st.held_bytes, st.token_bytes) << preset << " at " << len;
+      ASSERT_LE(st.held_bytes, st.token_bytes + slack) << preset << " at " << len;
+    }
+    // The point of it: most tokens are coded, so even fp8 (8 bits) holds far less than BF16.
+    const double bf16 = double(len) * g.num_layers * 2 * row_bytes;
+    EXPECT_LT(c->stats().held_bytes, 0.6 * bf16) << preset;
+  }
+}
+
 TEST(TieredKvCache, CalibrationIsDeterministicForASeed) {
   const KvGeometry g{1, 2, 4, 32, 10000.f};
   auto codecs = [&](uint64_t seed) {

@@ -29,6 +29,7 @@ nlohmann::json kv_stats_json(const KvCache& cache, const KvGeometry& g, int ctx)
           {"bits_per_value_v", s.v_bits},
           {"tiers", tiers},
           {"kv_bytes", s.token_bytes},
+          {"kv_bytes_held", s.held_bytes},
           {"bf16_bytes", bf16_bytes},
           {"kv_bytes_ratio", s.token_bytes > 0 ? bf16_bytes / s.token_bytes : 0.0},
           {"metadata_bytes", s.meta_bytes},

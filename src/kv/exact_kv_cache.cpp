@@ -50,7 +50,7 @@ class ExactKvCache final : public KvCache {
     const double bits = dtype_ == DType::F32 ? 32 : 16;
     s.tiers.push_back({"exact", long(length()), bits, bits});
     s.k_bits = s.v_bits = bits;
-    s.token_bytes = double(bytes());
+    s.token_bytes = s.held_bytes = double(bytes());
     return s;
   }
 

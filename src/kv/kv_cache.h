@@ -32,7 +32,7 @@ class KvCache {
   virtual int length() const = 0;
   // Drops tokens past n (n <= length()).
   virtual void truncate(int n) = 0;
-  // Bytes held for KV data (not counting spare capacity).
+  // Bytes allocated for tokens' KV data (not counting spare capacity or per-sequence metadata).
   virtual size_t bytes() const = 0;
 
   // What is stored per tier at the current length, as bits per value (one value = one of
@@ -46,13 +46,14 @@ class KvCache {
   struct Stats {
     std::vector<TierStats> tiers;
     double k_bits = 0, v_bits = 0;  // over every stored token
-    double token_bytes = 0;         // all layers
+    double token_bytes = 0;         // all layers, as accounted by the tiers' formats
+    double held_bytes = 0;          // all layers, as allocated (bytes()): codes pack into pages
     double meta_bytes = 0;          // all layers, per sequence
   };
   // Default (caches that do not report tiers): bytes only.
   virtual Stats stats() const {
     Stats s;
-    s.token_bytes = double(bytes());
+    s.token_bytes = s.held_bytes = double(bytes());
     return s;
   }
 };

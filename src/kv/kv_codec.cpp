@@ -489,24 +489,51 @@ void VqCodec::roundtrip_elementwise(float* x) const {
     for (int i = 0; i < d; ++i) x[i] = fp8_e4m3_to_f32(f32_to_fp8_e4m3(x[i] / fp8_scale)) * fp8_scale;
 }
 
-void VqCodec::kivi_roundtrip(float* x, int P, size_t stride, bool is_key) const {
-  const int levels = (1 << kivi_bits) - 1, G = kivi_group;
-  auto quant = [&](auto at, int n) {  // asymmetric min/max over n elements reached by at(i)
-    float lo = INFINITY, hi = -INFINITY;
-    for (int i = 0; i < n; ++i) lo = std::min(lo, at(i)), hi = std::max(hi, at(i));
-    const float zero = round_bf16(lo), scale = round_bf16((hi - lo) / levels);
-    for (int i = 0; i < n; ++i) {
-      const float q = scale > 0 ? std::clamp(std::nearbyint((at(i) - zero) / scale), 0.f, float(levels)) : 0.f;
-      at(i) = zero + q * scale;
-    }
-  };
+int VqCodec::kivi_groups(int P, bool is_key) const {
+  const int G = kivi_group;
+  return is_key ? (P + G - 1) / G * d : P * ((d + G - 1) / G);
+}
+
+// Groups: keys per channel over G tokens, values per token over G channels. Each group keeps
+// BF16 (zero, scale) at zs[2g], zs[2g + 1]; an element is zero + level * scale.
+template <class Fn>
+static void kivi_for_groups(int P, int d, int G, bool is_key, Fn fn) {  // fn(group, n, index of element i)
+  int g = 0;
   if (is_key) {
     for (int t0 = 0; t0 < P; t0 += G)
-      for (int c = 0; c < d; ++c) quant([&](int i) -> float& { return x[size_t(t0 + i) * stride + c]; }, std::min(G, P - t0));
+      for (int c = 0; c < d; ++c, ++g) fn(g, std::min(G, P - t0), [=](int i) { return (t0 + i) * d + c; });
   } else {
     for (int t = 0; t < P; ++t)
-      for (int c0 = 0; c0 < d; c0 += G) quant([&](int i) -> float& { return x[size_t(t) * stride + c0 + i]; }, std::min(G, d - c0));
+      for (int c0 = 0; c0 < d; c0 += G, ++g) fn(g, std::min(G, d - c0), [=](int i) { return t * d + c0 + i; });
   }
+}
+
+void VqCodec::kivi_encode(const float* x, int P, size_t stride, bool is_key, uint8_t* levels, uint16_t* zs) const {
+  const int top = (1 << kivi_bits) - 1;
+  auto at = [&](int e) { return x[size_t(e / d) * stride + size_t(e % d)]; };
+  kivi_for_groups(P, d, kivi_group, is_key, [&](int g, int n, auto idx) {
+    float lo = INFINITY, hi = -INFINITY;  // asymmetric min/max
+    for (int i = 0; i < n; ++i) lo = std::min(lo, at(idx(i))), hi = std::max(hi, at(idx(i)));
+    const float zero = round_bf16(lo), scale = round_bf16((hi - lo) / top);
+    zs[2 * g] = f32_to_bf16(zero);
+    zs[2 * g + 1] = f32_to_bf16(scale);
+    for (int i = 0; i < n; ++i)
+      levels[idx(i)] = uint8_t(scale > 0 ? std::clamp(std::nearbyint((at(idx(i)) - zero) / scale), 0.f, float(top)) : 0.f);
+  });
+}
+
+void VqCodec::kivi_decode(const uint8_t* levels, const uint16_t* zs, int P, bool is_key, float* x, size_t stride) const {
+  kivi_for_groups(P, d, kivi_group, is_key, [&](int g, int n, auto idx) {
+    const float zero = bf16_to_f32(zs[2 * g]), scale = bf16_to_f32(zs[2 * g + 1]);
+    for (int i = 0; i < n; ++i) x[size_t(idx(i) / d) * stride + size_t(idx(i) % d)] = zero + float(levels[idx(i)]) * scale;
+  });
+}
+
+void VqCodec::kivi_roundtrip(float* x, int P, size_t stride, bool is_key) const {
+  std::vector<uint8_t> levels(size_t(P) * d);
+  std::vector<uint16_t> zs(size_t(kivi_groups(P, is_key)) * 2);
+  kivi_encode(x, P, stride, is_key, levels.data(), zs.data());
+  kivi_decode(levels.data(), zs.data(), P, is_key, x, stride);
 }
 
 void VqCodec::save(std::ostream& o) const {

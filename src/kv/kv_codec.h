@@ -62,6 +62,10 @@ struct VqCodec {
   // page's groups of tokens, values per token over groups of channels), decoded in place.
   void roundtrip_elementwise(float* x) const;
   void kivi_roundtrip(float* x, int P, size_t stride, bool is_key) const;
+  // kivi, stored form: levels[P, Dh] (kivi_bits each) and kivi_groups() BF16 (zero, scale) pairs.
+  int kivi_groups(int P, bool is_key) const;
+  void kivi_encode(const float* x, int P, size_t stride, bool is_key, uint8_t* levels, uint16_t* zs) const;
+  void kivi_decode(const uint8_t* levels, const uint16_t* zs, int P, bool is_key, float* x, size_t stride) const;
 
   // y = U (x - mu), and x = U^T y (without mu).
   void rotate(const float* x, float* y) const;

@@ -1,22 +1,30 @@
-// The tiered KV cache. Per layer it keeps every token's key/value rounded to BF16 (the exact
-// tiers), and, once calibrated, the codes of every whole page (codes, FP8 anchors, norms).
+// The tiered KV cache. Per layer and K/V it holds what a serving cache would hold, page by
+// page (kv_page.h): BF16 rows for the sink and the window; past the window a page keeps only
+// its codes (middle: every stage; archive: a prefix of the stages, cut at migration).
 //
 // Tiers are a function of a query's position p and a key's page: sink (key < sink), window
 // (the key's page ends less than W tokens before p), middle, archive (page ended at least M
 // before p). A query therefore sees each key exactly as a decoding cache would hold it at
 // step p, whatever the chunking of the prompt: this is what gives `ppl` decode semantics in
-// one pass. Archive codes are a prefix of the middle's stages, so migration is truncation.
+// one pass. To keep it, a page's BF16 rows are freed, and its codes cut to the archive's
+// prefix, only after the attention of the chunk that moved it (finish_chunk): the chunk's
+// earlier queries still see it as it was at their step.
 //
 // Two attention paths compute the same thing:
-//   - lookup tables (decode, T <= spec.lut_max_tokens): per query a table of q.codeword per
-//     slot; a key's score is a sum of lookups; attention weights are accumulated per codeword
-//     and multiplied by the codebook once; the exact part is merged by log-sum-exp;
-//   - decoded shadows (prefill chunks): each coded key/value is also held decoded in FP32 so
-//     long evaluations cost what exact attention costs. The shadow is simulation state of
-//     this CPU reference, not counted as stored; a test checks both paths agree.
+//   - lookup tables (decode, T <= spec.lut_max_tokens, post-RoPE vq keys and vq values): per
+//     query a table of q.codeword per slot; a key's score is a sum of lookups; attention
+//     weights are accumulated per codeword and multiplied by the codebook once; the exact
+//     part is merged by log-sum-exp;
+//   - decoded pages (prefill chunks, pre-RoPE keys, element-wise codecs): per KV head, the
+//     coded pages the chunk needs are decoded into a scratch buffer that lives for this call
+//     only (a GPU kernel would decode tiles into shared memory), then exact attention. Keys
+//     coded before RoPE must take this path: RoPE depends on the key's position, so no
+//     per-query table of codewords can score them.
+// A test checks both paths agree.
 // Legend: T tokens, H/Hkv heads, Dh head dim, P page tokens.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "core/check.h"
@@ -25,56 +33,64 @@
 #include "cpu/simd.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_codec.h"
+#include "kv/kv_page.h"
 #include "kv/kv_profile.h"
 #include "kv/kv_spec.h"
 
 namespace tiermoe {
 namespace {
 
-inline float dot(const float* a, const float* b, int n) {
+// Row types: FP32 (decoded scratch) or BF16 (stored exact rows); same arithmetic order for both.
+template <class Row>
+inline __m256 load8(const Row* p) {
+  if constexpr (std::is_same_v<Row, float>) return _mm256_loadu_ps(p);
+  else return load8_f32<DType::BF16>(p, 0);
+}
+template <class Row>
+inline float load1(const Row* p) {
+  if constexpr (std::is_same_v<Row, float>) return *p;
+  else return bf16_to_f32(*p);
+}
+
+template <class Row>
+inline float dot(const float* a, const Row* b, int n) {
   __m256 acc = _mm256_setzero_ps();
   int i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * load1(b + i);
   return s;
 }
 
-inline void axpy(float* y, float a, const float* x, int n) {
+template <class Row>
+inline void axpy(float* y, float a, const Row* x, int n) {
   const __m256 av = _mm256_set1_ps(a);
   int i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * load1(x + i);
 }
 
-// RoPE of one head vector at position pos (sign -1 undoes it); inv_freq[Dh/2].
-void rope1(float* v, int pos, int Dh, const std::vector<float>& inv_freq, float sign) {
-  const int half = Dh / 2;
-  for (int i = 0; i < half; ++i) {
-    const float angle = inv_freq[size_t(i)] * float(pos);
-    const float c = std::cos(angle), s = sign * std::sin(angle);
-    const float a = v[i], b = v[i + half];
-    v[i] = a * c - b * s;
-    v[i + half] = b * c + a * s;
-  }
-}
-
-struct Stream {  // K or V of one layer
-  std::vector<float> exact;   // [len, Hkv, Dh] BF16-rounded
-  std::vector<float> mid;     // [len, Hkv, Dh] decoded middle codes (shadow)
-  std::vector<float> arch;    // [len, Hkv, Dh] decoded archive codes (when a strict prefix)
-  std::vector<uint16_t> codes;  // [len, Hkv, n_codes]
-  std::vector<uint8_t> anc;     // [len, Hkv, n_anchors]
-  std::vector<float> norm;      // [len, Hkv]
+struct Stream {                  // K or V of one layer
+  std::vector<uint16_t> sink;    // BF16 [sink, Hkv, Dh], moved here when their page leaves the window
+  std::vector<PageStore> pages;  // page i: tokens [iP, (i+1)P)
 };
 
 struct Layer {
-  int len = 0, appended = 0, encoded = 0;
+  int len = 0, appended = 0;
+  int coded = 0;       // pages [0, coded) have codes
+  int exact_from = 0;  // pages [0, exact_from) hold no BF16 rows (the sink's rows are in Stream::sink)
+  int full_from = 0;   // pages [0, full_from) hold only the archive's prefix of the stages
   bool calibrated = false;
   Stream s[2];                      // 0: K, 1: V
   std::vector<VqCodec> codec;       // [Hkv][2]
   std::vector<double> qcov;         // [Hkv, Dh, Dh] sum of q q^T (before calibration)
   long qcount = 0;
+};
+
+// The decoded scratch of one KV head for one attention call: pages [lo, hi) of one version.
+struct Decoded {
+  int lo = 0, hi = 0;
+  std::vector<float> rows[2];  // K, V: [(hi - lo) P, Dh]
 };
 
 class TieredKvCache final : public KvCache {
@@ -95,29 +111,32 @@ class TieredKvCache final : public KvCache {
       }
     }
     calib_pos_ = profile ? 0 : spec_.calib_tokens - 1;
-    pre_rope_ = spec_.k.kind == "vq" && spec_.k.pre_rope;
-    if (pre_rope_) {
+    if (spec_.k.kind == "vq" && spec_.k.pre_rope) {
       CHECK_MSG(g.rope_theta > 0, "pre-RoPE key coding needs the RoPE base");
-      for (int i = 0; i < Dh / 2; ++i) inv_freq_.push_back(1.0f / std::pow(g.rope_theta, float(2 * i) / float(Dh)));
+      for (int i = 0; i < Dh / 2; ++i) rope_.inv_freq.push_back(1.0f / std::pow(g.rope_theta, float(2 * i) / float(Dh)));
     }
-    set_shapes();
   }
 
   void append(int layer, const float* k, const float* v, int T) override {
     Layer& L = layers_[size_t(layer)];
     const size_t row = size_t(g_.num_kv_heads) * g_.head_dim;
+    const int P = spec_.page;
     for (int kv = 0; kv < 2; ++kv) {
-      auto& e = L.s[kv].exact;
       const float* src = kv == 0 ? k : v;
-      e.resize(size_t(L.len + T) * row);
-      for (size_t i = 0; i < size_t(T) * row; ++i) e[size_t(L.len) * row + i] = bf16_to_f32(f32_to_bf16(src[i]));
+      auto& pages = L.s[kv].pages;
+      for (int t = 0; t < T; ++t) {
+        const int pos = L.len + t;
+        if (size_t(pos / P) >= pages.size()) pages.emplace_back().exact.reserve(size_t(P) * row);
+        auto& e = pages[size_t(pos / P)].exact;
+        for (size_t i = 0; i < row; ++i) e.push_back(f32_to_bf16(src[size_t(t) * row + i]));
+      }
     }
     L.len += T;
     L.appended = T;
   }
 
   void attend(int layer, const float* q, int T, float* out) const override {
-    auto* self = const_cast<TieredKvCache*>(this);  // calibration and page encoding are lazy
+    auto* self = const_cast<TieredKvCache*>(this);  // calibration, coding and migration are lazy
     Layer& L = self->layers_[size_t(layer)];
     CHECK(T <= L.appended);
     const int p0 = L.len - T;
@@ -125,39 +144,66 @@ class TieredKvCache final : public KvCache {
       self->collect_queries(L, q, T, p0);
       if (L.len >= spec_.calib_tokens) self->calibrate(layer);
     }
-    if (L.calibrated) self->encode_up_to(layer, coded_end(L.len - 1));
-    const bool lut = T <= spec_.lut_max_tokens && spec_.k.kind == "vq" && spec_.v.kind == "vq" && !pre_rope_;
+    if (L.calibrated) self->encode_up_to(L, coded_end(L.len - 1));
+    const bool lut = T <= spec_.lut_max_tokens && spec_.k.kind == "vq" && spec_.v.kind == "vq" && !rope_.on();
     const int H = g_.num_heads, Dh = g_.head_dim, group = H / g_.num_kv_heads;
-    parallel_for(size_t(T) * H, [&](size_t b, size_t e) {
-      thread_local std::vector<float> scores;
-      for (size_t i = b; i < e; ++i) {
-        const int t = int(i / H), h = int(i % H);
-        if (lut)
-          attend_lut(L, q + i * Dh, p0 + t, h / group, out + i * Dh);
-        else
-          attend_shadow(L, q + i * Dh, p0 + t, h / group, out + i * Dh, scores);
+    if (lut) {
+      parallel_for(size_t(T) * H, [&](size_t b, size_t e) {
+        for (size_t i = b; i < e; ++i) attend_lut(L, q + i * Dh, p0 + int(i / H), int(i % H) / group, out + i * Dh);
+      });
+    } else {
+      for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
+        Decoded mid, arch;
+        decode_for_chunk(L, kvh, p0, L.len - 1, mid, arch);
+        parallel_for(size_t(T) * group, [&](size_t b, size_t e) {
+          thread_local std::vector<float> scores;
+          for (size_t i = b; i < e; ++i) {
+            const size_t qi = (i / group) * H + size_t(kvh) * group + i % group;  // (token, head) of query i
+            attend_decoded(L, mid, arch, q + qi * Dh, p0 + int(i / group), kvh, out + qi * Dh, scores);
+          }
+        });
       }
-    });
+    }
+    self->finish_chunk(L);
   }
 
   int length() const override { return layers_.empty() ? 0 : layers_.back().len; }
 
   void truncate(int n) override {
+    const int P = spec_.page;
     const size_t row = size_t(g_.num_kv_heads) * g_.head_dim;
     for (Layer& L : layers_) {
       CHECK(n <= L.len);
+      if (n > 0) {  // the tokens that must be exact again still have their rows, and no page is cut short
+        int sink, ae, ce;
+        ranges(L, n - 1, sink, ae, ce);
+        CHECK_MSG(ce >= L.exact_from * P && ae >= L.full_from * P,
+                  "tiered KV cache: truncating into pages that hold only codes (their exact rows are freed)");
+      }
       L.len = n;
       L.appended = 0;
-      L.encoded = std::min(L.encoded, n / spec_.page * spec_.page);
+      const size_t keep = size_t((n + P - 1) / P);
+      L.coded = std::min(L.coded, n / P);
+      L.exact_from = std::min(L.exact_from, int(keep));
+      L.full_from = std::min(L.full_from, int(keep));
       for (Stream& s : L.s) {
-        s.exact.resize(size_t(n) * row);
-        if (s.mid.size() > size_t(L.encoded) * row) s.mid.resize(size_t(L.encoded) * row);
-        if (s.arch.size() > size_t(L.encoded) * row) s.arch.resize(size_t(L.encoded) * row);
+        s.pages.resize(keep);
+        if (n % P) s.pages.back().exact.resize(size_t(n % P) * row);
+        if (L.exact_from == 0) s.sink.clear();
       }
     }
   }
 
-  size_t bytes() const override { return size_t(stats().token_bytes); }
+  // Bytes allocated for tokens: BF16 rows, codes, anchors, norms and scales of every page.
+  size_t bytes() const override {
+    size_t b = 0;
+    for (const Layer& L : layers_)
+      for (const Stream& s : L.s) {
+        b += s.sink.capacity() * 2;
+        for (const PageStore& pg : s.pages) b += pg.bytes();
+      }
+    return b;
+  }
 
   Stats stats() const override {
     Stats st;
@@ -188,6 +234,7 @@ class TieredKvCache final : public KvCache {
     st.v_bits = len ? vb / len : 0;
     const double values = double(len) * g_.num_layers * g_.num_kv_heads * Dh;
     st.token_bytes = values * (st.k_bits + st.v_bits) / 8;
+    st.held_bytes = double(bytes());
     if (cal || (!layers_.empty() && layers_[0].calibrated))
       for (const Layer& L : layers_)
         for (const VqCodec& c : L.codec) st.meta_bytes += c.meta_bits() / 8;
@@ -198,15 +245,6 @@ class TieredKvCache final : public KvCache {
   const KvSpec& spec() const { return spec_; }
 
  private:
-  void set_shapes() {
-    nk_[0] = nk_[1] = na_[0] = na_[1] = 0;
-    if (layers_.empty() || !layers_[0].calibrated) return;
-    for (int kv = 0; kv < 2; ++kv) {
-      nk_[kv] = layers_[0].codec[size_t(kv)].n_codes();
-      na_[kv] = int(layers_[0].codec[size_t(kv)].anchors.size());
-    }
-  }
-
   // Tokens [0, coded_end(p)) are coded for a query at p (whole pages at least W old).
   int coded_end(int p) const {
     const int x = p - spec_.window + 1;
@@ -216,8 +254,19 @@ class TieredKvCache final : public KvCache {
     const int x = p - spec_.middle + 1;
     return x <= 0 ? 0 : x / spec_.page * spec_.page;
   }
-  int stages_for(int kv, bool archive, const VqCodec& c) const {
+  int stages_for(bool archive, const VqCodec& c) const {
     return archive && spec_.archive_stages > 0 ? std::min(spec_.archive_stages, c.n_stages()) : c.n_stages();
+  }
+  StreamCodecs codecs(const Layer& L, int kv) const { return {L.codec.data(), kv}; }
+  PageGeometry page_geo(int page) const { return {spec_.page, g_.num_kv_heads, g_.head_dim, page * spec_.page}; }
+
+  // The BF16 row [Hkv, Dh] of token j (sink, or a page still in the window).
+  const uint16_t* exact_row(const Layer& L, int kv, int j) const {
+    const size_t row = size_t(g_.num_kv_heads) * g_.head_dim;
+    const PageStore& pg = L.s[kv].pages[size_t(j / spec_.page)];
+    if (!pg.exact.empty()) return pg.exact.data() + size_t(j % spec_.page) * row;
+    CHECK(j < spec_.sink);
+    return L.s[kv].sink.data() + size_t(j) * row;
   }
 
   void collect_queries(Layer& L, const float* q, int T, int p0) {
@@ -227,7 +276,7 @@ class TieredKvCache final : public KvCache {
       for (int h = 0; h < H; ++h) {
         float x[256];
         std::copy_n(q + (size_t(t) * H + h) * Dh, Dh, x);
-        if (pre_rope_) rope1(x, p0 + t, Dh, inv_freq_, -1.f);
+        if (rope_.on()) rope_.apply(x, p0 + t, Dh, -1.f);
         double* c = L.qcov.data() + size_t(h / group) * Dh * Dh;
         for (int i = 0; i < Dh; ++i)
           for (int j = 0; j < Dh; ++j) c[size_t(i) * Dh + j] += double(x[i]) * x[j];
@@ -243,8 +292,9 @@ class TieredKvCache final : public KvCache {
       for (size_t i = b; i < e; ++i) {
         const int h = int(i / 2), kv = int(i % 2);
         for (int n = 0; n < N; ++n) {
-          std::copy_n(L.s[kv].exact.data() + (size_t(n) * Hkv + h) * Dh, Dh, x.data() + size_t(n) * Dh);
-          if (kv == 0 && pre_rope_) rope1(x.data() + size_t(n) * Dh, n, Dh, inv_freq_, -1.f);
+          const uint16_t* r = exact_row(L, kv, n) + size_t(h) * Dh;
+          for (int d = 0; d < Dh; ++d) x[size_t(n) * Dh + d] = bf16_to_f32(r[d]);
+          if (kv == 0 && rope_.on()) rope_.apply(x.data() + size_t(n) * Dh, n, Dh, -1.f);
         }
         std::vector<double> qc;
         if (kv == 0 && !L.qcov.empty()) qc.assign(L.qcov.begin() + long(h) * Dh * Dh, L.qcov.begin() + long(h + 1) * Dh * Dh);
@@ -255,66 +305,42 @@ class TieredKvCache final : public KvCache {
     L.calibrated = true;
     L.qcov.clear();
     L.qcov.shrink_to_fit();
-    set_shapes();
   }
 
-  // Encodes whole pages until at least `end` tokens are coded.
-  void encode_up_to(int layer, int end) {
-    Layer& L = layers_[size_t(layer)];
-    if (end <= L.encoded) return;
-    const int P = spec_.page, Hkv = g_.num_kv_heads, Dh = g_.head_dim;
-    const int from = L.encoded, to = (end + P - 1) / P * P;
-    CHECK(to <= L.len);
-    const size_t row = size_t(Hkv) * Dh;
-    for (int kv = 0; kv < 2; ++kv) {
-      Stream& s = L.s[kv];
-      const VqCodec& c0 = L.codec[size_t(kv)];
-      s.mid.resize(size_t(to) * row);
-      if (c0.kind == "vq") {
-        s.codes.resize(size_t(to) * Hkv * nk_[kv]);
-        s.anc.resize(size_t(to) * Hkv * na_[kv]);
-        s.norm.resize(size_t(to) * Hkv);
-        if (stages_for(kv, true, c0) < c0.n_stages()) s.arch.resize(size_t(to) * row);
+  // Codes whole pages until at least `end` tokens are coded (their BF16 rows stay until finish_chunk).
+  void encode_up_to(Layer& L, int end) {
+    const int to = (end + spec_.page - 1) / spec_.page;
+    if (to <= L.coded) return;
+    CHECK(to * spec_.page <= L.len);
+    const int from = L.coded;
+    parallel_for(size_t(to - from) * 2, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        const int pg = from + int(i / 2), kv = int(i % 2);
+        encode_page(L.s[kv].pages[size_t(pg)], codecs(L, kv), page_geo(pg), rope_);
       }
-      if (c0.kind == "kivi") {
-        std::copy(s.exact.begin() + long(size_t(from) * row), s.exact.begin() + long(size_t(to) * row), s.mid.begin() + long(size_t(from) * row));
-        parallel_for(size_t((to - from) / P) * Hkv, [&](size_t b, size_t e) {
-          for (size_t i = b; i < e; ++i) {
-            const int pg = int(i / Hkv), h = int(i % Hkv);
-            L.codec[size_t(h) * 2 + kv].kivi_roundtrip(s.mid.data() + size_t(from + pg * P) * row + size_t(h) * Dh, P, row, kv == 0);
-          }
-        });
-        continue;
+    });
+    L.coded = to;
+  }
+
+  // After a chunk's attention: pages now past the window drop their BF16 rows (the sink's rows
+  // move to Stream::sink), pages now in the archive keep only the archive's stages.
+  void finish_chunk(Layer& L) {
+    const int p = L.len - 1, P = spec_.page;
+    if (!L.calibrated || p < calib_pos_) return;
+    const int ce = coded_end(p), ae = std::min(archive_end(p), ce);
+    const size_t row = size_t(g_.num_kv_heads) * g_.head_dim;
+    for (; L.exact_from < ce / P; ++L.exact_from)
+      for (Stream& s : L.s) {
+        auto& e = s.pages[size_t(L.exact_from)].exact;
+        const int first = L.exact_from * P, n_sink = std::clamp(spec_.sink - first, 0, P);
+        if (s.sink.empty()) s.sink.reserve(size_t(spec_.sink) * row);
+        s.sink.insert(s.sink.end(), e.begin(), e.begin() + long(size_t(n_sink) * row));
+        std::vector<uint16_t>().swap(e);
       }
-      parallel_for(size_t(to - from) * Hkv, [&](size_t b, size_t e) {
-        for (size_t i = b; i < e; ++i) {
-          const size_t t = size_t(from) + i / Hkv, h = i % Hkv;
-          const VqCodec& c = L.codec[h * 2 + kv];
-          float x[256];
-          std::copy_n(s.exact.data() + t * row + h * Dh, Dh, x);
-          const bool unrope = kv == 0 && pre_rope_;
-          if (unrope) rope1(x, int(t), Dh, inv_freq_, -1.f);
-          float* m = s.mid.data() + t * row + h * Dh;
-          if (c.kind != "vq") {
-            std::copy_n(x, Dh, m);
-            c.roundtrip_elementwise(m);
-            continue;
-          }
-          uint16_t* codes = s.codes.data() + (t * Hkv + h) * nk_[kv];
-          uint8_t* anc = s.anc.data() + (t * Hkv + h) * na_[kv];
-          float& nrm = s.norm[t * Hkv + h];
-          c.encode(x, codes, anc, &nrm);
-          c.decode(codes, anc, nrm, c.n_stages(), m);
-          if (unrope) rope1(m, int(t), Dh, inv_freq_, 1.f);
-          if (!s.arch.empty()) {
-            float* a = s.arch.data() + t * row + h * Dh;
-            c.decode(codes, anc, nrm, stages_for(kv, true, c), a);
-            if (unrope) rope1(a, int(t), Dh, inv_freq_, 1.f);
-          }
-        }
-      });
-    }
-    L.encoded = to;
+    for (; L.full_from < ae / P; ++L.full_from)
+      for (int kv = 0; kv < 2; ++kv)
+        truncate_page_stages(L.s[kv].pages[size_t(L.full_from)], codecs(L, kv), page_geo(L.full_from),
+                             stages_for(true, L.codec[size_t(kv)]));
   }
 
   // Key ranges for a query at p: [0, sink) exact, [sink, ae) archive, [.., ce) middle, rest exact.
@@ -324,34 +350,66 @@ class TieredKvCache final : public KvCache {
     ce = cal ? std::max(coded_end(p), sink) : sink;
     ae = cal ? std::clamp(archive_end(p), sink, ce) : sink;
   }
+  bool archive_differs(const Layer& L, int kv) const {
+    return stages_for(true, L.codec[size_t(kv)]) < L.codec[size_t(kv)].n_stages();
+  }
 
-  void attend_shadow(const Layer& L, const float* q, int p, int kvh, float* o, std::vector<float>& sc) const {
-    const int Dh = g_.head_dim, n = p + 1;
-    const size_t row = size_t(g_.num_kv_heads) * Dh, off = size_t(kvh) * Dh;
+  // Decodes, for KV head kvh, the coded pages that queries p0..p1 read: `mid` all stages,
+  // `arch` the archive's prefix (only where it differs from the middle).
+  void decode_for_chunk(const Layer& L, int kvh, int p0, int p1, Decoded& mid, Decoded& arch) const {
+    const int P = spec_.page, Dh = g_.head_dim;
+    int s0, ae0, ce0, s1, ae1, ce1;
+    ranges(L, p0, s0, ae0, ce0);
+    ranges(L, p1, s1, ae1, ce1);
+    if (ce1 <= s1) return;
+    const bool differs = archive_differs(L, 0) || archive_differs(L, 1);
+    mid.lo = differs ? ae0 / P : 0;
+    mid.hi = ce1 / P;
+    arch.lo = 0;
+    arch.hi = differs ? ae1 / P : 0;
+    for (Decoded* d : {&mid, &arch})
+      for (auto& r : d->rows) r.resize(size_t(d->hi - d->lo) * P * Dh);
+    const int n_mid = mid.hi - mid.lo, n_all = n_mid + arch.hi - arch.lo;
+    parallel_for(size_t(n_all) * 2, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        const int j = int(i / 2), kv = int(i % 2);
+        Decoded& d = j < n_mid ? mid : arch;
+        const int pg = d.lo + (j < n_mid ? j : j - n_mid);
+        const VqCodec& c = L.codec[size_t(kvh) * 2 + size_t(kv)];
+        decode_page(L.s[kv].pages[size_t(pg)], codecs(L, kv), page_geo(pg), kvh, stages_for(&d == &arch, c), rope_,
+                    d.rows[kv].data() + size_t(pg - d.lo) * P * Dh);
+      }
+    });
+  }
+
+  void attend_decoded(const Layer& L, const Decoded& mid, const Decoded& arch, const float* q, int p, int kvh, float* o,
+                      std::vector<float>& sc) const {
+    const int Dh = g_.head_dim, n = p + 1, P = spec_.page;
+    const size_t off = size_t(kvh) * Dh;
     int sink, ae, ce;
     ranges(L, p, sink, ae, ce);
-    auto src = [&](int kv, int j) -> const float* {
-      const Stream& s = L.s[kv];
-      if (j < sink || j >= ce) return s.exact.data() + size_t(j) * row + off;
-      if (j < ae && !s.arch.empty()) return s.arch.data() + size_t(j) * row + off;
-      return s.mid.data() + size_t(j) * row + off;
+    // fn(row) on the row of key j as the query at p sees it: FP32 decoded or BF16 exact.
+    auto visit = [&](int kv, int j, auto fn) {
+      if (j < sink || j >= ce) return fn(exact_row(L, kv, j) + off);
+      const Decoded& d = j < ae && !arch.rows[kv].empty() ? arch : mid;
+      return fn(static_cast<const float*>(d.rows[kv].data() + (size_t(j) - size_t(d.lo) * P) * Dh));
     };
     const float scale = 1.0f / std::sqrt(float(Dh));
     sc.resize(size_t(n));
     float mx = -INFINITY;
     for (int j = 0; j < n; ++j) {
-      sc[size_t(j)] = dot(q, src(0, j), Dh) * scale;
+      sc[size_t(j)] = visit(0, j, [&](const auto* k) { return dot(q, k, Dh); }) * scale;
       mx = std::max(mx, sc[size_t(j)]);
     }
     float den = 0;
     for (int j = 0; j < n; ++j) den += (sc[size_t(j)] = std::exp(sc[size_t(j)] - mx));
     std::fill(o, o + Dh, 0.f);
-    for (int j = 0; j < n; ++j) axpy(o, sc[size_t(j)] / den, src(1, j), Dh);
+    for (int j = 0; j < n; ++j) visit(1, j, [&](const auto* v) { axpy(o, sc[size_t(j)] / den, v, Dh); });
   }
 
   void attend_lut(const Layer& L, const float* q, int p, int kvh, float* o) const {
-    const int Dh = g_.head_dim, n = p + 1;
-    const size_t row = size_t(g_.num_kv_heads) * Dh, off = size_t(kvh) * Dh;
+    const int Dh = g_.head_dim, n = p + 1, P = spec_.page;
+    const size_t off = size_t(kvh) * Dh;
     int sink, ae, ce;
     ranges(L, p, sink, ae, ce);
     const float scale = 1.0f / std::sqrt(float(Dh));
@@ -363,12 +421,12 @@ class TieredKvCache final : public KvCache {
       for (int j = 0; j < sink; ++j) fn(j);
       for (int j = ce; j < n; ++j) fn(j);
     };
-    exact_keys([&](int j) { se.push_back(dot(q, L.s[0].exact.data() + size_t(j) * row + off, Dh) * scale); me = std::max(me, se.back()); });
+    exact_keys([&](int j) { se.push_back(dot(q, exact_row(L, 0, j) + off, Dh) * scale); me = std::max(me, se.back()); });
     size_t idx = 0;
     exact_keys([&](int j) {
       const float w = std::exp(se[idx++] - me);
       le += w;
-      axpy(oe.data(), w, L.s[1].exact.data() + size_t(j) * row + off, Dh);
+      axpy(oe.data(), w, exact_row(L, 1, j) + off, Dh);
     });
     if (ce <= sink) {
       for (int d = 0; d < Dh; ++d) o[d] = oe[size_t(d)] / le;
@@ -378,6 +436,7 @@ class TieredKvCache final : public KvCache {
     // Coded part: per-query lookup tables over the key codebooks.
     const VqCodec& kc = L.codec[size_t(kvh) * 2];
     const VqCodec& vc = L.codec[size_t(kvh) * 2 + 1];
+    const StreamCodecs kcs = codecs(L, 0), vcs = codecs(L, 1);
     float qr[256];  // the query in the key codec's rotated basis, rotated once
     if (kc.rot.empty()) std::copy_n(q, Dh, qr);
     else
@@ -396,18 +455,22 @@ class TieredKvCache final : public KvCache {
       }
     std::vector<float> qa(kc.anchors.size());
     for (size_t a = 0; a < kc.anchors.size(); ++a) qa[a] = qr[kc.anchors[a]] * kc.anchor_scale[a];
-    const int nstk_mid = kc.n_stages(), nstk_arch = stages_for(0, true, kc);
-    const int nstv_mid = vc.n_stages(), nstv_arch = stages_for(1, true, vc);
+    const int nstk_mid = kc.n_stages(), nstk_arch = stages_for(true, kc);
+    const int nstv_mid = vc.n_stages(), nstv_arch = stages_for(true, vc);
 
+    uint16_t codes[1024];
+    CHECK(kc.n_codes() <= 1024 && vc.n_codes() <= 1024);
     std::vector<float> sc(size_t(ce - sink));
     float mc = -INFINITY;
     for (int j = sink; j < ce; ++j) {
-      const uint16_t* codes = L.s[0].codes.data() + (size_t(j) * g_.num_kv_heads + kvh) * nk_[0];
-      const uint8_t* anc = L.s[0].anc.data() + (size_t(j) * g_.num_kv_heads + kvh) * na_[0];
+      const PageStore& pg = L.s[0].pages[size_t(j / P)];
+      const PageGeometry geo = page_geo(j / P);
+      page_codes(pg, kcs, geo, kvh, j % P, codes);
+      const uint8_t* anc = page_anchors(pg, kcs, geo, kvh, j % P);
       const int ncodes = kc.n_codes(j < ae ? nstk_arch : nstk_mid);
       float s = 0;
       for (int c = 0; c < ncodes; ++c) s += lut[size_t(lut_off[size_t(c)] + codes[c])];
-      s *= L.s[0].norm[size_t(j) * g_.num_kv_heads + kvh];
+      s *= page_norm(pg, kcs, geo, kvh, j % P);
       for (size_t a = 0; a < qa.size(); ++a) s += qa[a] * fp8_e4m3_to_f32(anc[a]);
       s = (s + qmean) * scale;
       sc[size_t(j - sink)] = s;
@@ -423,9 +486,11 @@ class TieredKvCache final : public KvCache {
     for (int j = sink; j < ce; ++j) {
       const float w = std::exp(sc[size_t(j - sink)] - mc);
       lc += w;
-      const uint16_t* codes = L.s[1].codes.data() + (size_t(j) * g_.num_kv_heads + kvh) * nk_[1];
-      const uint8_t* anc = L.s[1].anc.data() + (size_t(j) * g_.num_kv_heads + kvh) * na_[1];
-      const float wn = w * L.s[1].norm[size_t(j) * g_.num_kv_heads + kvh];
+      const PageStore& pg = L.s[1].pages[size_t(j / P)];
+      const PageGeometry geo = page_geo(j / P);
+      page_codes(pg, vcs, geo, kvh, j % P, codes);
+      const uint8_t* anc = page_anchors(pg, vcs, geo, kvh, j % P);
+      const float wn = w * page_norm(pg, vcs, geo, kvh, j % P);
       const int ncodes = vc.n_codes(j < ae ? nstv_arch : nstv_mid);
       for (int c = 0; c < ncodes; ++c) wacc[size_t(vlut_off[size_t(c)] + codes[c])] += wn;
       for (size_t a = 0; a < aacc.size(); ++a) aacc[a] += w * fp8_e4m3_to_f32(anc[a]);
@@ -457,9 +522,7 @@ class TieredKvCache final : public KvCache {
   KvSpec spec_;
   std::vector<Layer> layers_;
   int calib_pos_ = 0;
-  bool pre_rope_ = false;
-  std::vector<float> inv_freq_;
-  int nk_[2] = {0, 0}, na_[2] = {0, 0};
+  KeyRope rope_;  // pre-RoPE key coding when on
 };
 
 }  // namespace
