@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile]   (quick: no large published configs;
-#   benchonly: no correctness check; again: the kernel table repeated plus racecheck/initcheck;
-#   profile: per-kernel times of one decode step under ncu)
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|batch]   (quick: no large published
+#   configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
+#   initcheck; profile: per-kernel times of one decode step under ncu; batch: B = 1, 8, 32, 64)
 # Binaries: ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and carried, when the
 # machine lacks the tokenizer's libraries), else built here with CMake.
 set -uo pipefail
@@ -37,17 +37,32 @@ if [ "$MODE" = profile ]; then  # ncu: every kernel of one eager decode step, su
       --csv --print-units base --log-file "$OUT/ncu.csv" $C profile --config configs/$1 --ctx $2 > /dev/null
     python3 - "$OUT/ncu.csv" "$1 ctx=$2" <<'PY' | tee -a "$OUT/profile.txt"
 import csv, sys, collections
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')) if r[-1].replace('.', '').isdigit()]
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')) if r[-1].replace(',', '').replace('.', '').isdigit()]
 tot = collections.OrderedDict()
 for r in rows:
-    name = r[4].split('(')[0].split('<')[0].replace('tiermoe::cuda::', '').replace('(anonymous namespace)::', '')
-    c, t = tot.get(name, (0, 0.0)); tot[name] = (c + 1, t + float(r[-1]) / 1e3)
+    name = r[4].split('(')[0].split('<')[0].replace('void ', '').replace('unnamed>::', '')
+    c, t = tot.get(name, (0, 0.0)); tot[name] = (c + 1, t + float(r[-1].replace(',', '')) / 1e3)
 s = sum(t for c, t in tot.values())
 print(f"== {sys.argv[2]}: {len(rows)} kernels, {s:.1f} us of kernel time (ncu, serialized)")
 for n, (c, t) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
     print(f"  {n:32s} x{c:4d} {t:8.1f} us  {t / c:6.2f} us each  {100 * t / s:5.1f}%")
 PY
   done
+  exit 0
+fi
+if [ "$MODE" = batch ]; then  # B streams, one token each per step (forward_batch), ctx 1024 each
+  for cfg in olmoe-1b-7b-v8192.json qwen3-30b-a3b-L16-v8192.json; do
+    for B in 1 8 32 64; do
+      log "batch $cfg B=$B"
+      timeout 100 $C bench --config configs/$cfg --ctx 1024 --gen 32 --repeats 2 --batch $B | tee -a "$OUT/batch.jsonl"
+    done
+  done
+  python3 - "$OUT/batch.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print(f"{j['config']:30s} B={j['batch']:3d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s")
+PY
   exit 0
 fi
 bench() {  # config-or-model ctx gen repeats [env]

@@ -3,6 +3,7 @@
 #pragma once
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <random>
 #include <span>
 #include <vector>
@@ -74,6 +75,44 @@ inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int
   return {{"backend", backend.name()}, {"batch", 1}, {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens},
           {"repeats", repeats}, {"ttft_ms", ttft}, {"prefill_tokens_per_s", prompt_tokens / ttft * 1000.0},
           {"ms_per_token_p50", p50}, {"ms_per_token_p99", p99}, {"tokens_per_s", 1000.0 / p50}};
+}
+
+// B streams decoding together (continuous batching at a steady batch): each gets its own random
+// prompt of prompt_tokens (prefilled one at a time), then gen_tokens steps of forward_batch with
+// one new token per stream. Times each step on the host clock; ms_per_token_* is the time of one
+// step (every stream gets one token per step), tokens_per_s counts all B streams.
+inline nlohmann::json bench_batch(Backend& backend, const ModelConfig& cfg, int batch, int prompt_tokens,
+                                  int gen_tokens) {
+  std::mt19937 rng(1234);
+  using clock = std::chrono::steady_clock;
+  auto ms_since = [](clock::time_point t0) { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); };
+  const size_t V = size_t(cfg.vocab_size);
+  std::vector<std::unique_ptr<KvCache>> caches;
+  std::vector<float> logits(size_t(batch) * V);
+  std::vector<int32_t> next(static_cast<size_t>(batch));
+  std::vector<double> prefill_ms, step_ms;
+  for (int b = 0; b < batch; ++b) {
+    std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
+    for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
+    caches.push_back(backend.new_cache());
+    const auto t0 = clock::now();
+    backend.forward(prompt, *caches.back(), 1, logits.data() + size_t(b) * V);
+    prefill_ms.push_back(ms_since(t0));
+  }
+  std::vector<Backend::SeqStep> steps(static_cast<size_t>(batch));
+  for (int i = 0; i < gen_tokens + 2; ++i) {  // two warm-up steps (graphs, first-use costs)
+    for (int b = 0; b < batch; ++b) {
+      next[b] = argmax(std::span<const float>(logits.data() + size_t(b) * V, V));
+      steps[b] = {std::span(&next[b], 1), caches[b].get(), 1};
+    }
+    const auto t0 = clock::now();
+    backend.forward_batch(steps, logits.data());
+    if (i >= 2) step_ms.push_back(ms_since(t0));
+  }
+  const double p50 = bench_percentile(step_ms, 50), p99 = bench_percentile(step_ms, 99);
+  return {{"backend", backend.name()}, {"batch", batch}, {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens},
+          {"repeats", 1}, {"ttft_ms", bench_percentile(prefill_ms, 50)}, {"ms_per_token_p50", p50},
+          {"ms_per_token_p99", p99}, {"tokens_per_s", batch * 1000.0 / p50}};
 }
 
 // Adds bytes_per_token, floor_ms and fraction_of_floor (floor / measured p50; 1 = at the floor).

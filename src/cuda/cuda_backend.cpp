@@ -292,6 +292,9 @@ class CudaBackend final : public Backend {
   // Workspace, sized for max_chunk tokens at construction.
   float *x_, *h_, *q_, *k_, *v_, *att_, *gu_, *act_, *tmp_, *router_, *wts_, *sg_, *logits_, *partial_;
   int32_t *ids_, *pos_, *topk_;
+  unsigned* split_counters_;  // attention_decode's, zero between launches
+  unsigned* route_counter_;   // moe_route's, likewise
+  bool decode_attention_ = true;
   bf16 *xb_, *actb_;
   size_t partial_cap_ = 0;
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
@@ -337,6 +340,11 @@ void CudaBackend::alloc_workspace() {
   partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
                  H * (Dh + 2);
   partial_ = dalloc<float>(owned_, partial_cap_);
+  split_counters_ = dalloc<unsigned>(owned_, size_t(cuda::kGemvMaxT) * Hkv);
+  CUDA_CK(cudaMemset(split_counters_, 0, size_t(cuda::kGemvMaxT) * Hkv * sizeof(unsigned)));
+  route_counter_ = dalloc<unsigned>(owned_, 1);
+  CUDA_CK(cudaMemset(route_counter_, 0, sizeof(unsigned)));
+  decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
   CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
@@ -459,8 +467,14 @@ void CudaBackend::mlp(const DLinear& gu, const DLinear& down, int T, float* out,
 
 void CudaBackend::moe(const DLayer& L, int T) {
   const int D = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.top_k, F = cfg_.expert_ffn;
-  linear(router_, h_, L.router, T, false);  // [T, E]
-  CUDA_CK(cuda::route_topk(topk_, wts_, router_, T, E, K, cfg_.norm_topk_prob, stream_));  // [T, K] on the device
+  if (T <= cuda::kGemvMaxT) {  // norm, router and top-k in one launch; h_, ids and weights stay on the device
+    CUDA_CK(cuda::moe_route(h_, router_, topk_, wts_, route_counter_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T,
+                            E, K, D, cfg_.norm_topk_prob, stream_));
+  } else {
+    CUDA_CK(cuda::rmsnorm(h_, x_, L.ffn_norm, T, D, cfg_.rms_norm_eps, stream_));
+    linear(router_, h_, L.router, T, false);                                                 // [T, E]
+    CUDA_CK(cuda::route_topk(topk_, wts_, router_, T, E, K, cfg_.norm_topk_prob, stream_));  // [T, K]
+  }
   if (T <= cuda::kGemvMaxT) {
     CUDA_CK(cuda::moe_gate_up(act_, h_, L.experts_gu, topk_, T, K, F, D, stream_));          // [T, K, F]
     CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_));      // x += ...
@@ -488,10 +502,11 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
-    CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
-    if (T <= cuda::kGemvMaxT) {
-      CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, h_, T, D, stream_));
+    if (T <= cuda::kGemvMaxT) {  // the attention norm folded into the q/k/v GEMV
+      CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_,
+                          L.attn_norm, eps));
     } else {
+      CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
       linear(q_, h_, L.q, T, false);
       linear(k_, h_, L.k, T, false);
       linear(v_, h_, L.v, T, false);
@@ -506,15 +521,16 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       CUDA_CK(cuda::clamp(k_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
       CUDA_CK(cuda::clamp(v_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
     }
-    if (cfg_.qk_norm == QkNorm::Full) {
-      CUDA_CK(cuda::rmsnorm(q_, q_, L.q_norm, T, H * Dh, eps, stream_));
-      CUDA_CK(cuda::rmsnorm(k_, k_, L.k_norm, T, Hkv * Dh, eps, stream_));
-    } else if (cfg_.qk_norm == QkNorm::PerHead) {
-      CUDA_CK(cuda::rmsnorm(q_, q_, L.q_norm, T * H, Dh, eps, stream_));
-      CUDA_CK(cuda::rmsnorm(k_, k_, L.k_norm, T * Hkv, Dh, eps, stream_));
-    }
-    CUDA_CK(cuda::rope_qk(q_, k_, pos_, T, H, Hkv, Dh, cfg_.rope_theta, stream_));
+    CUDA_CK(cuda::qk_norm_rope(q_, k_, L.q_norm, L.k_norm, cfg_.qk_norm == QkNorm::Full, pos_, T, H, Hkv, Dh, eps,
+                               cfg_.rope_theta, stream_));
     for (size_t t = 0; const Piece& p : pieces) {
+      if (p.n <= cuda::kGemvMaxT && decode_attention_) {  // append + attention + combine in one launch
+        CUDA_CK(cuda::attention_decode(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l),
+                                       k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n, H, Hkv, Dh, p.n_splits,
+                                       partial_, split_counters_, stream_));
+        t += size_t(p.n);
+        continue;
+      }
       CUDA_CK(cuda::kv_append(p.cache->k(l), p.cache->v(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n,
                               Hkv * Dh, stream_));
       CUDA_CK(cuda::attention(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l), pos_ + t, p.n, H,
@@ -522,11 +538,12 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       t += size_t(p.n);
     }
     linear(x_, att_, L.o, T, true);  // x += attn @ Wo^T
-    CUDA_CK(cuda::rmsnorm(h_, x_, L.ffn_norm, T, D, eps, stream_));
-    if (L.is_moe)
-      moe(L, T);
-    else
+    if (L.is_moe) {
+      moe(L, T);  // the FFN norm inside
+    } else {
+      CUDA_CK(cuda::rmsnorm(h_, x_, L.ffn_norm, T, D, eps, stream_));
       mlp(L.dense_gu, L.dense_down, T, x_, true);
+    }
   }
   if (n_logits > 0) {
     for (int t = 0, row = 0; const Piece& p : pieces) {  // the last n_logits rows of each piece
@@ -536,8 +553,12 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                                 cudaMemcpyDeviceToDevice, stream_));
       row += p.n_logits;
     }
-    CUDA_CK(cuda::rmsnorm(h_, h_, final_norm_, n_logits, D, eps, stream_));
-    linear(logits_, h_, lm_head_, n_logits, false);  // [n_logits, V]
+    if (n_logits <= cuda::kGemvMaxT) {  // the final norm folded into the LM head's GEMV
+      CUDA_CK(cuda::gemv(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, false, stream_, final_norm_, eps));
+    } else {
+      CUDA_CK(cuda::rmsnorm(h_, h_, final_norm_, n_logits, D, eps, stream_));
+      linear(logits_, h_, lm_head_, n_logits, false);  // [n_logits, V]
+    }
   }
 }
 
@@ -556,7 +577,16 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
     }
     Piece p{cache, n, s.n_logits, 0, kDecodeSplit};
     const int keys = len + n, max_splits = (cache->capacity() + kDecodeSplit - 1) / kDecodeSplit;
-    if (n <= cuda::kGemvMaxT) {
+    if (n <= cuda::kGemvMaxT && decode_attention_) {
+      // attention_decode() balances the keys over n_splits itself, so a captured step stays valid
+      // while n_splits does: a power of two up to 1024 keys (splits of 32-64 keys), then 8 more
+      // splits per 1024 keys (64-128 keys each).
+      p.n_splits = 1;
+      if (keys <= 1024)
+        while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;
+      else
+        p.n_splits = (keys + 1023) / 1024 * 8;
+    } else if (n <= cuda::kGemvMaxT) {
       p.n_splits = 1;  // a power of two, so that a captured decode step stays valid for many steps
       while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;
       p.n_splits = std::min(p.n_splits, max_splits);

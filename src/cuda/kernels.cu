@@ -4,6 +4,7 @@
 
 #include <cfloat>
 #include <climits>
+#include <algorithm>
 #include <cmath>
 
 #include <cuda_bf16.h>
@@ -39,11 +40,23 @@ __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
   return s;
 }
 
+// dot8() of w with rmsnorm(x) = x * inv * nw, computed element by element as rmsnorm() does, so a
+// GEMV with its input norm folded in gives the same bits as rmsnorm() followed by the GEMV.
+__device__ __forceinline__ float dot8_norm(const uint4& w, const float* x, const float* nw, float inv) {
+  float xn[8];
+  const float4 a = *reinterpret_cast<const float4*>(x), b = *reinterpret_cast<const float4*>(x + 4);
+  const float4 c = *reinterpret_cast<const float4*>(nw), d = *reinterpret_cast<const float4*>(nw + 4);
+  xn[0] = a.x * inv * c.x, xn[1] = a.y * inv * c.y, xn[2] = a.z * inv * c.z, xn[3] = a.w * inv * c.w;
+  xn[4] = b.x * inv * d.x, xn[5] = b.y * inv * d.y, xn[6] = b.z * inv * d.z, xn[7] = b.w * inv * d.w;
+  return dot8(w, xn);
+}
+
 __device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 constexpr int kWarps = 8;  // rows per block in the GEMV-style kernels
+constexpr int kMoeMaxK = 8;  // moe_down's fast path: top-k at most this
 
 __global__ void embed_kernel(float* x, const bf16* table, const int32_t* ids, int D) {
   const int t = blockIdx.x;
@@ -70,34 +83,41 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
   for (int d = threadIdx.x; d < D; d += blockDim.x) y[r * D + d] = xr[d] * inv * w[d];
 }
 
-__global__ void rope_kernel(float* x, const int32_t* pos, int n_heads, int Dh, float theta) {
-  const int t = blockIdx.x, half = Dh / 2;
-  const float p = float(pos[t]);
-  for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
-    const int h = i / half, j = i % half;
-    const float inv_freq = 1.0f / powf(theta, float(2 * j) / float(Dh));
-    const float angle = inv_freq * p;  // fp32 product, as transformers computes it
-    float sn, cs;
-    sincosf(angle, &sn, &cs);
-    float* v = x + (size_t(t) * n_heads + h) * Dh;
-    const float a = v[j], b = v[j + half];
-    v[j] = a * cs - b * sn;
-    v[j + half] = b * cs + a * sn;
+// grid (segments, T): a segment is one head (norm per head, or no norm), or with `full` all heads
+// of q or of k (norm over the whole projection, which one block must see); q's segments first.
+// A thread per rotated pair where the block allows. RMSNorm over the segment, then RoPE, in place.
+__global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const float* kn, bool full,
+                                    const int32_t* pos, int H, int Hkv, int Dh, float eps, float theta) {
+  const int seg = blockIdx.x, t = blockIdx.y, half = Dh / 2;
+  const int q_segs = full ? 1 : H;
+  const bool is_q = seg < q_segs;
+  const int heads = full ? (is_q ? H : Hkv) : 1, len = heads * Dh;
+  const float* nw = is_q ? qn : kn;
+  float* v = is_q ? q + size_t(t) * H * Dh + size_t(full ? 0 : seg) * Dh
+                  : k + size_t(t) * Hkv * Dh + size_t(full ? 0 : seg - q_segs) * Dh;
+  float inv = 1.f;
+  if (nw) {
+    __shared__ float part[32];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) ss = fmaf(v[i], v[i], ss);
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+    for (int w = 0; w < int(blockDim.x >> 5); ++w) ss += part[w];
+    inv = 1.0f / sqrtf(ss / float(len) + eps);
   }
-}
-
-__global__ void rope_qk_kernel(float* q, float* k, const int32_t* pos, int H, int Hkv, int Dh, float theta) {
-  const int t = blockIdx.x, half = Dh / 2;
   const float p = float(pos[t]);
-  for (int i = threadIdx.x; i < (H + Hkv) * half; i += blockDim.x) {
+  for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
     const int h = i / half, j = i % half;
     const float inv_freq = 1.0f / powf(theta, float(2 * j) / float(Dh));
     float sn, cs;
     sincosf(inv_freq * p, &sn, &cs);
-    float* v = h < H ? q + (size_t(t) * H + h) * Dh : k + (size_t(t) * Hkv + (h - H)) * Dh;
-    const float a = v[j], b = v[j + half];
-    v[j] = a * cs - b * sn;
-    v[j + half] = b * cs + a * sn;
+    float* r = v + size_t(h) * Dh;
+    const int wj = full ? h * Dh + j : j;  // norm weights span the segment
+    const float a = nw ? r[j] * inv * nw[wj] : r[j], b = nw ? r[j + half] * inv * nw[wj + half] : r[j + half];
+    r[j] = a * cs - b * sn;
+    r[j + half] = b * cs + a * sn;
   }
 }
 
@@ -133,10 +153,31 @@ __global__ void to_bf16_kernel(__nv_bfloat16* y, const float* x, size_t n) {
 
 // One warp computes output row n of y[T, N] = x[T, K] W[N, K]^T; TT accumulators (T <= TT),
 // the weight row read once for all T rows of x.
-template <int TT>
+// Per row t of x[T, K]: inv[t] = 1 / sqrt(mean(x_t^2) + eps), the whole block on each row (x is
+// in L2: one round of loads), into shared memory. Every thread of the block must call it.
+__device__ void block_inv_rms(float* inv, const float* __restrict__ x, int T, int K, float eps) {
+  __shared__ float part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int t = 0; t < T; ++t) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) ss = fmaf(x[size_t(t) * K + i], x[size_t(t) * K + i], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) part[warp] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+      for (int w = 0; w < warps; ++w) total += part[w];
+      inv[t] = 1.0f / sqrtf(total / float(K) + eps);
+    }
+    __syncthreads();
+  }
+}
+
+// NORM: x is used as rmsnorm(x) with weights nw[K] and the rows' inv (block_inv_rms).
+template <int TT, bool NORM = false>
 __device__ __forceinline__ void gemv_row(float* __restrict__ y, const float* __restrict__ x,
                                          const bf16* __restrict__ W, int T, int N, int K, bool accumulate, int n,
-                                         int lane) {
+                                         int lane, const float* __restrict__ nw = nullptr, const float* inv = nullptr) {
   const bf16* w = W + size_t(n) * K;
   float acc[TT];
 #pragma unroll
@@ -148,14 +189,17 @@ __device__ __forceinline__ void gemv_row(float* __restrict__ y, const float* __r
       const uint4 wv = ldg16(w + 8 * i);
 #pragma unroll
       for (int t = 0; t < TT; ++t)
-        if (t < T) acc[t] += dot8(wv, x + size_t(t) * K + 8 * i);
+        if (t < T) {
+          if constexpr (NORM) acc[t] += dot8_norm(wv, x + size_t(t) * K + 8 * i, nw + 8 * i, inv[t]);
+          else acc[t] += dot8(wv, x + size_t(t) * K + 8 * i);
+        }
     }
   } else {
     for (int i = lane; i < K; i += 32) {
       const float wv = bf(w[i]);
 #pragma unroll
       for (int t = 0; t < TT; ++t)
-        if (t < T) acc[t] = fmaf(wv, x[size_t(t) * K + i], acc[t]);
+        if (t < T) acc[t] = fmaf(wv, NORM ? x[size_t(t) * K + i] * inv[t] * nw[i] : x[size_t(t) * K + i], acc[t]);
     }
   }
 #pragma unroll
@@ -169,12 +213,14 @@ __device__ __forceinline__ void gemv_row(float* __restrict__ y, const float* __r
   }
 }
 
-template <int TT>
+template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
-                                                           bool accumulate) {
+                                                           bool accumulate, const float* __restrict__ nw, float eps) {
+  __shared__ float inv[kGemvMaxT];
+  if constexpr (NORM) block_inv_rms(inv, x, T, K, eps);
   const int n = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (n < N) gemv_row<TT>(y, x, W, T, N, K, accumulate, n, threadIdx.x & 31);
+  if (n < N) gemv_row<TT, NORM>(y, x, W, T, N, K, accumulate, n, threadIdx.x & 31, nw, inv);
 }
 
 // Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
@@ -185,9 +231,11 @@ struct GemvSegs {
   int end_block[3];
 };
 
-template <int TT>
+template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
-                                                            int K) {
+                                                            int K, const float* __restrict__ nw, float eps) {
+  __shared__ float inv[kGemvMaxT];
+  if constexpr (NORM) block_inv_rms(inv, x, T, K, eps);
   const int b = blockIdx.x;
   const int s = b < segs.end_block[0] ? 0 : (b < segs.end_block[1] ? 1 : 2);
   const int first = s == 0 ? 0 : (s == 1 ? segs.end_block[0] : segs.end_block[1]);
@@ -196,20 +244,19 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
   const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
   const int n = (b - first) * kWarps + (threadIdx.x >> 5);
-  if (n < N) gemv_row<TT>(y, x, W, T, N, K, false, n, threadIdx.x & 31);
+  if (n < N) gemv_row<TT, NORM>(y, x, W, T, N, K, false, n, threadIdx.x & 31, nw, inv);
 }
 
-// One warp per token. Each lane holds experts lane, lane+32, ...
-__global__ void route_topk_kernel(int32_t* ids, float* weights, const float* logits, int E, int K, bool renormalize) {
+// One warp routes one token: l[E] -> ids[K], weights[K]. Each lane holds experts lane, lane+32, ...
+// The logits are read through L2 (__ldcg): moe_route() reads logits other blocks just wrote.
+__device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize, int lane) {
   constexpr int J = kRouteMaxE / 32;
-  const int t = blockIdx.x, lane = threadIdx.x;
-  const float* l = logits + size_t(t) * E;
   float v[J];
   float mx = -INFINITY;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < E ? l[e] : -INFINITY;
+    v[j] = e < E ? __ldcg(l + e) : -INFINITY;
     mx = fmaxf(mx, v[j]);
   }
   mx = warp_max(mx);
@@ -250,9 +297,43 @@ __global__ void route_topk_kernel(int32_t* ids, float* weights, const float* log
     }
   }
   if (lane < K) {
-    ids[size_t(t) * K + lane] = id_mine;
-    weights[size_t(t) * K + lane] = renormalize ? w_mine / sum : w_mine;
+    ids[lane] = id_mine;
+    weights[lane] = renormalize ? w_mine / sum : w_mine;
   }
+}
+
+__global__ void route_topk_kernel(int32_t* ids, float* weights, const float* logits, int E, int K, bool renormalize) {
+  const size_t t = blockIdx.x;
+  route_token(ids + t * K, weights + t * K, logits + t * E, E, K, renormalize, threadIdx.x);
+}
+
+// grid ceil(E / kWarps): h = rmsnorm(x) (block 0 writes it), logits = h Wr^T (one warp per expert,
+// all T rows), then the last block to finish routes every token (one warp per token).
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restrict__ h, float* __restrict__ logits,
+                                                                int32_t* ids, float* weights, unsigned* counter,
+                                                                const float* __restrict__ x,
+                                                                const float* __restrict__ nw, float eps,
+                                                                const bf16* __restrict__ Wr, int T, int E, int K,
+                                                                int D, bool renormalize) {
+  __shared__ float inv[kGemvMaxT];
+  __shared__ bool is_last;
+  block_inv_rms(inv, x, T, D, eps);
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < T * D; i += blockDim.x) h[i] = x[i] * inv[i / D] * nw[i % D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, e = blockIdx.x * kWarps + warp;
+  if (e < E) gemv_row<TT, true>(logits, x, Wr, T, E, D, false, e, lane, nw, inv);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (is_last) *counter = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int t = warp; t < T; t += kWarps)
+    route_token(ids + size_t(t) * K, weights + size_t(t) * K, logits + size_t(t) * E, E, K, renormalize, lane);
 }
 
 // grid (ceil(F / kWarps), T*K): one warp per (t, k, f).
@@ -269,7 +350,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restr
   float g = 0.f, u = 0.f;
   if ((D & 7) == 0) {
     const int D8 = D >> 3;
-#pragma unroll 4
+#pragma unroll 8
     for (int i = lane; i < D8; i += 32) {
       const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
       g += dot8(a, x + 8 * i);
@@ -297,17 +378,26 @@ __global__ void __launch_bounds__(kWarps * 32) moe_down_kernel(float* __restrict
   const int t = blockIdx.y;
   if (d >= D) return;
   float part = 0.f;  // this lane's share of sum_k w_k * dot(Wd[e_k][d], act[t, k])
-  if ((F & 7) == 0) {
+  if ((F & 7) == 0 && K <= kMoeMaxK) {
+    // The K experts' rows side by side, so that their loads are in flight together.
     const int F8 = F >> 3;
-    for (int k = 0; k < K; ++k) {
-      const int tk = t * K + k;
-      const bf16* w = Wd + (size_t(ids[tk]) * D + d) * F;
-      const float* a = act + size_t(tk) * F;
-      float s = 0.f;
-#pragma unroll 4
-      for (int i = lane; i < F8; i += 32) s += dot8(ldg16(w + 8 * i), a + 8 * i);
-      part = fmaf(weights[tk], s, part);
+    const bf16* w[kMoeMaxK];
+    float s[kMoeMaxK];
+#pragma unroll
+    for (int k = 0; k < kMoeMaxK; ++k) {
+      w[k] = k < K ? Wd + (size_t(ids[t * K + k]) * D + d) * F : nullptr;
+      s[k] = 0.f;
     }
+    const float* a = act + size_t(t) * K * F;
+#pragma unroll 2
+    for (int i = lane; i < F8; i += 32) {
+#pragma unroll
+      for (int k = 0; k < kMoeMaxK; ++k)
+        if (k < K) s[k] += dot8(ldg16(w[k] + 8 * i), a + size_t(k) * F + 8 * i);
+    }
+#pragma unroll
+    for (int k = 0; k < kMoeMaxK; ++k)
+      if (k < K) part = fmaf(weights[t * K + k], s[k], part);
   } else {
     for (int k = 0; k < K; ++k) {
       const int tk = t * K + k;
@@ -478,16 +568,14 @@ cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, f
   return cudaGetLastError();
 }
 
-cudaError_t rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float theta, cudaStream_t s) {
+cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k_norm, bool full, const int32_t* pos,
+                         int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s) {
+  if ((q_norm == nullptr) != (k_norm == nullptr) || Dh % 2 != 0) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  rope_kernel<<<T, 256, 0, s>>>(x, pos, n_heads, Dh, theta);
-  return cudaGetLastError();
-}
-
-cudaError_t rope_qk(float* q, float* k, const int32_t* pos, int T, int H, int Hkv, int Dh, float theta,
-                    cudaStream_t s) {
-  if (T == 0) return cudaSuccess;
-  rope_qk_kernel<<<T, 256, 0, s>>>(q, k, pos, H, Hkv, Dh, theta);
+  full = full && q_norm;
+  const int segs = full ? 2 : H + Hkv, pairs = (full ? H : 1) * Dh / 2;
+  const int threads = std::min(1024, std::max(32, (pairs + 31) / 32 * 32));
+  qk_norm_rope_kernel<<<dim3(segs, T), threads, 0, s>>>(q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta);
   return cudaGetLastError();
 }
 
@@ -516,19 +604,33 @@ cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s) {
-  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+template <int TT>
+void launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
+                 float eps, cudaStream_t s) {
   const unsigned grid = unsigned((N + kWarps - 1) / kWarps);
-  const int threads = kWarps * 32;
-  if (T == 1) gemv_kernel<1><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
-  else if (T == 2) gemv_kernel<2><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
-  else if (T <= 4) gemv_kernel<4><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
-  else gemv_kernel<8><<<grid, threads, 0, s>>>(y, x, W, T, N, K, accumulate);
+  if (nw) gemv_kernel<TT, true><<<grid, kWarps * 32, 0, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
+  else gemv_kernel<TT, false><<<grid, kWarps * 32, 0, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
+}
+
+cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
+                 const float* norm_w, float eps) {
+  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (T == 1) launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
+  else if (T == 2) launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
+  else if (T <= 4) launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
+  else launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
   return cudaGetLastError();
 }
 
+template <int TT>
+void launch_gemv3(const GemvSegs& g, int blocks, const float* x, int T, int K, const float* nw, float eps,
+                  cudaStream_t s) {
+  if (nw) gemv3_kernel<TT, true><<<blocks, kWarps * 32, 0, s>>>(g, x, T, K, nw, eps);
+  else gemv3_kernel<TT, false><<<blocks, kWarps * 32, 0, s>>>(g, x, T, K, nw, eps);
+}
+
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
-                  int N2, const float* x, int T, int K, cudaStream_t s) {
+                  int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w, float eps) {
   if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
   GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}};
   int end = 0;
@@ -536,11 +638,10 @@ cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, 
     end += (g.N[i] + kWarps - 1) / kWarps;
     g.end_block[i] = end;
   }
-  const int threads = kWarps * 32;
-  if (T == 1) gemv3_kernel<1><<<end, threads, 0, s>>>(g, x, T, K);
-  else if (T == 2) gemv3_kernel<2><<<end, threads, 0, s>>>(g, x, T, K);
-  else if (T <= 4) gemv3_kernel<4><<<end, threads, 0, s>>>(g, x, T, K);
-  else gemv3_kernel<8><<<end, threads, 0, s>>>(g, x, T, K);
+  if (T == 1) launch_gemv3<1>(g, end, x, T, K, norm_w, eps, s);
+  else if (T == 2) launch_gemv3<2>(g, end, x, T, K, norm_w, eps, s);
+  else if (T <= 4) launch_gemv3<4>(g, end, x, T, K, norm_w, eps, s);
+  else launch_gemv3<8>(g, end, x, T, K, norm_w, eps, s);
   return cudaGetLastError();
 }
 
@@ -549,6 +650,20 @@ cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T,
   if (E > kRouteMaxE || K > 32 || K > E) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   route_topk_kernel<<<T, 32, 0, s>>>(ids, weights, logits, E, K, renormalize);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, unsigned* counter, const float* x,
+                      const float* norm_w, float eps, const bf16* Wr, int T, int E, int K, int D, bool renormalize,
+                      cudaStream_t s) {
+  if (E > kRouteMaxE || K > 32 || K > E || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  const unsigned grid = unsigned((E + kWarps - 1) / kWarps);
+  const int th = kWarps * 32;
+  if (T == 1) moe_route_kernel<1><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
+  else if (T == 2) moe_route_kernel<2><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
+  else if (T <= 4) moe_route_kernel<4><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
+  else moe_route_kernel<8><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
   return cudaGetLastError();
 }
 

@@ -24,12 +24,11 @@ cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D,
 // y[rows, D] = x / sqrt(mean(x^2) + eps) * w[D]  (in place allowed)   twin: rmsnorm
 cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, float eps, cudaStream_t s);
 
-// x[T, n_heads, Dh] rotated in place (rotate-half) at positions pos[T]   twin: rope
-cudaError_t rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float theta, cudaStream_t s);
-
-// rope() on q[T, H, Dh] and k[T, Hkv, Dh] in one launch
-cudaError_t rope_qk(float* q, float* k, const int32_t* pos, int T, int H, int Hkv, int Dh, float theta,
-                    cudaStream_t s);
+// q[T, H, Dh] and k[T, Hkv, Dh] in place: RMSNorm (when q_norm/k_norm are given: per head, weights
+// [Dh], or over the whole projection when `full`, weights [H*Dh] / [Hkv*Dh]), then RoPE at pos[T],
+// in one launch.                                                  twin: rmsnorm + rope
+cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k_norm, bool full, const int32_t* pos,
+                         int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s);
 
 // x[T, N] += b[N]                                               twin: add_bias
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s);
@@ -46,17 +45,27 @@ cudaError_t add_sigmoid_scaled(float* x, const float* y, const float* g, int T, 
 cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s);
 
 // y[T, N] (= or +=) x[T, K] @ W[N, K]^T for T <= kGemvMaxT: memory-bound GEMV, one warp per
-// output row, 16-byte weight loads when K % 8 == 0.             twin: matmul / matmul_add
-cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s);
+// output row, 16-byte weight loads when K % 8 == 0. With norm_w, x is used as rmsnorm(x, norm_w,
+// eps), the norm recomputed by every block (x is small, in L2).
+//                                                                twin: matmul / matmul_add
+cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
+                 const float* norm_w = nullptr, float eps = 0.f);
 
 // Three gemv()s sharing x[T, K] in one launch (q, k, v projections): yi[T, Ni] = x Wi^T.
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
-                  int N2, const float* x, int T, int K, cudaStream_t s);
+                  int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w = nullptr, float eps = 0.f);
 
 // Router: per token, softmax over logits[T, E] in FP32, top-k (ties: lower index), weights
 // renormalized when asked. ids[T, K], weights[T, K], descending.   twin: route_softmax_topk
 cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
                        cudaStream_t s);
+
+// The router of a small-batch MoE layer in one launch, T <= kGemvMaxT: h[T, D] = rmsnorm(x, norm_w),
+// logits[T, E] = h Wr^T, then route_topk() on them by the last block to finish (counter: one
+// unsigned, zero before the first launch, left zero).  twin: rmsnorm + matmul + route_softmax_topk
+cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, unsigned* counter, const float* x,
+                      const float* norm_w, float eps, const bf16* Wr, int T, int E, int K, int D, bool renormalize,
+                      cudaStream_t s);
 
 // Small-batch MoE, reading only the selected experts (ids/weights straight from route_topk):
 // act[T, K, F] = silu(Wgu[e, 0:F] h_t) * (Wgu[e, F:2F] h_t), e = ids[t, k]; Wgu[E, 2F, D].
@@ -81,6 +90,18 @@ cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const 
 //                                                                twin: attention_causal
 cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
                       int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s);
+
+// Decode attention in one launch (attention_decode.cu), for T <= kGemvMaxT new tokens of one
+// sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]
+// into the cache, attends over rows 0 .. pos[t] (the new rows read from k_new/v_new), cutting the
+// keys into n_splits equal splits, and merges them. partial[T, H, n_splits, Dh + 2] is scratch;
+// counters[T * Hkv] must be zero before the first launch and are left zero.
+//                                                        twin: kv_append + attention_causal
+cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
+                             const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
+                             unsigned* counters, cudaStream_t s);
+// attention_decode() handles H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
+bool attention_decode_supported(int H, int Hkv, int Dh);
 
 // w[n] = uniform(-scale, scale) from a counter hash of (seed, i); for dummy weights.
 cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s);

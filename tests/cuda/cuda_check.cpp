@@ -7,7 +7,7 @@
 //  3. a GEMV bandwidth figure.
 // Prints one line per case and a summary; exit status 1 when any case fails.
 // Usage: tiermoe_cuda_check [--kernels-only]
-//        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R]
+//        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R] [--batch B]
 //   the same measurement and JSON as `tiermoe bench --backend cuda [--load-format dummy]`, for
 //   machines without the CLI's tokenizer libraries.
 //        tiermoe_cuda_check profile --config FILE [--ctx C]
@@ -114,6 +114,24 @@ void check_gemv() {
     CK(cu::gemv(dy.p, dx.p, dw.p, c.T, c.N, c.K, c.acc, 0));
     report(fmt("gemv T=%d N=%d K=%d%s", c.T, c.N, c.K, c.acc ? " +=" : ""), rel(dy.get(), ref), 1e-5);
   }
+  // The input norm folded in, against the CPU's rmsnorm + matmul.
+  for (C c : {C{1, 37, 64, false}, C{3, 64, 2048, false}, C{8, 300, 512, true}, C{5, 17, 33, false}, C{1, 513, 4096, true}}) {
+    auto x = randn(size_t(c.T) * c.K, 3.f), nw = randn(c.K), w = randn(size_t(c.N) * c.K, 0.05f), y0 = randn(size_t(c.T) * c.N);
+    auto wb = bf16_of(w);
+    std::vector<float> h(x.size()), ref = y0;
+    rmsnorm(h.data(), x.data(), nw.data(), c.T, c.K, 1e-5f);
+    if (c.acc) matmul_add(ref.data(), h.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
+    else matmul(ref.data(), h.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
+    Dev<float> dx(x), dnw(nw), dy(y0), dh(x.size()), dy2(y0);
+    Dev<uint16_t> dw(wb);
+    if (!c.acc) dy.poison(), dy2.poison();
+    CK(cu::gemv(dy.p, dx.p, dw.p, c.T, c.N, c.K, c.acc, 0, dnw.p, 1e-5f));
+    CK(cu::rmsnorm(dh.p, dx.p, dnw.p, c.T, c.K, 1e-5f, 0));
+    CK(cu::gemv(dy2.p, dh.p, dw.p, c.T, c.N, c.K, c.acc, 0));
+    const auto got = dy.get(), two = dy2.get();
+    report(fmt("gemv+norm T=%d N=%d K=%d%s", c.T, c.N, c.K, c.acc ? " +=" : ""), rel(got, ref), 1e-5,
+           fmt("(vs the GPU's rmsnorm+gemv: %.1e)", rel(got, two)));
+  }
 }
 
 void check_gemv3() {
@@ -133,6 +151,16 @@ void check_gemv3() {
     CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0));
     const double e = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
     report(fmt("gemv3 (q,k,v) T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K), e, 1e-5);
+    // With the attention norm folded in.
+    auto nw = randn(c.K);
+    std::vector<float> h(x.size());
+    rmsnorm(h.data(), x.data(), nw.data(), c.T, c.K, 1e-6f);
+    for (int i = 0; i < 3; ++i) matmul(ref[i].data(), h.data(), wb[i].data(), DType::BF16, c.T, Ns[i], c.K);
+    Dev<float> dnw(nw);
+    y0.poison(), y1.poison(), y2.poison();
+    CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0, dnw.p, 1e-6f));
+    const double en = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
+    report(fmt("gemv3+norm (q,k,v) T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K), en, 1e-5);
   }
 }
 
@@ -145,31 +173,32 @@ void check_rmsnorm_rope_misc() {
     CK(cu::rmsnorm(dy.p, dx.p, dw.p, rows, D, 1e-6f, 0));
     report(fmt("rmsnorm rows=%d D=%d", rows, D), rel(dy.get(), ref), 1e-5);
   }
-  struct R { int T, heads, Dh; float theta; int maxpos; };
-  for (R r : {R{1, 4, 16, 1e4f, 10}, R{5, 32, 128, 1e6f, 40000}, R{9, 3, 64, 5e5f, 4096}}) {
-    auto x = randn(size_t(r.T) * r.heads * r.Dh);
+  // q/k norm (none, per head, over the whole projection) and RoPE in one launch.
+  struct R { int T, H, Hkv, Dh, norm; float theta; int maxpos; };
+  for (R r : {R{1, 4, 4, 16, 0, 1e4f, 10}, R{5, 32, 4, 128, 1, 1e6f, 40000}, R{9, 3, 3, 64, 2, 5e5f, 4096},
+              R{4, 8, 2, 64, 0, 1e6f, 3000}, R{2, 16, 16, 128, 2, 1e4f, 8192}, R{3, 6, 2, 96, 1, 1e6f, 100}}) {
+    auto q = randn(size_t(r.T) * r.H * r.Dh, 2.f), k = randn(size_t(r.T) * r.Hkv * r.Dh, 2.f);
+    auto qn = randn(r.norm == 2 ? r.H * r.Dh : r.Dh), kn = randn(r.norm == 2 ? r.Hkv * r.Dh : r.Dh);
     std::vector<int32_t> pos(r.T);
     for (auto& p : pos) p = int(rng() % uint32_t(r.maxpos));
-    std::vector<float> ref = x;
-    rope(ref.data(), pos.data(), r.T, r.heads, r.Dh, r.theta);
-    Dev<float> dx(x);
-    Dev<int32_t> dp(pos);
-    CK(cu::rope(dx.p, dp.p, r.T, r.heads, r.Dh, r.theta, 0));
-    // FP32 sin/cos of angles up to ~4e4 rad: CUDA's sincosf and glibc differ by a few ulp of the angle.
-    report(fmt("rope T=%d heads=%d Dh=%d theta=%.0e pos<%d", r.T, r.heads, r.Dh, r.theta, r.maxpos), rel(dx.get(), ref),
-           5e-5);
-  }
-  {
-    const int T = 4, H = 8, Hkv = 2, Dh = 64;
-    auto q = randn(size_t(T) * H * Dh), k = randn(size_t(T) * Hkv * Dh);
-    std::vector<int32_t> pos = {0, 7, 100, 3000};
     std::vector<float> rq = q, rk = k;
-    rope(rq.data(), pos.data(), T, H, Dh, 1e6f);
-    rope(rk.data(), pos.data(), T, Hkv, Dh, 1e6f);
-    Dev<float> dq(q), dk(k);
+    if (r.norm == 1) {
+      rmsnorm(rq.data(), rq.data(), qn.data(), r.T * r.H, r.Dh, 1e-6f);
+      rmsnorm(rk.data(), rk.data(), kn.data(), r.T * r.Hkv, r.Dh, 1e-6f);
+    } else if (r.norm == 2) {
+      rmsnorm(rq.data(), rq.data(), qn.data(), r.T, r.H * r.Dh, 1e-6f);
+      rmsnorm(rk.data(), rk.data(), kn.data(), r.T, r.Hkv * r.Dh, 1e-6f);
+    }
+    rope(rq.data(), pos.data(), r.T, r.H, r.Dh, r.theta);
+    rope(rk.data(), pos.data(), r.T, r.Hkv, r.Dh, r.theta);
+    Dev<float> dq(q), dk(k), dqn(qn), dkn(kn);
     Dev<int32_t> dp(pos);
-    CK(cu::rope_qk(dq.p, dk.p, dp.p, T, H, Hkv, Dh, 1e6f, 0));
-    report("rope_qk T=4 H=8 Hkv=2 Dh=64", std::max(rel(dq.get(), rq), rel(dk.get(), rk)), 5e-5);
+    CK(cu::qk_norm_rope(dq.p, dk.p, r.norm ? dqn.p : nullptr, r.norm ? dkn.p : nullptr, r.norm == 2, dp.p, r.T, r.H,
+                        r.Hkv, r.Dh, 1e-6f, r.theta, 0));
+    // FP32 sin/cos of angles up to ~4e4 rad: CUDA's sincosf and glibc differ by a few ulp of the angle.
+    report(fmt("qk_norm_rope T=%d H=%d Hkv=%d Dh=%d norm=%s theta=%.0e pos<%d", r.T, r.H, r.Hkv, r.Dh,
+               r.norm == 0 ? "none" : (r.norm == 1 ? "head" : "full"), r.theta, r.maxpos),
+           std::max(rel(dq.get(), rq), rel(dk.get(), rk)), 5e-5);
   }
   {
     const int T = 3, F = 37;
@@ -218,6 +247,43 @@ void check_route() {
     for (size_t i = 0; i < ids.size(); ++i) wrong += gi[i] != ids[i];
     report(fmt("route_topk T=%d E=%d K=%d renorm=%d%s", c.T, c.E, c.K, int(c.renorm), c.ties ? " ties" : ""),
            rel(dw.get(), w), 1e-5, fmt("ids %s", wrong ? "DIFFER" : "exact"));
+    if (wrong) ++g_fail;
+  }
+}
+
+// The one-launch router: norm, router GEMV, softmax and top-k; ids exact, twice in a row (the
+// launch resets its own counter). "ties": router rows duplicated in pairs, so logits tie exactly.
+void check_moe_route() {
+  struct C { int T, E, K, D; bool renorm, ties; };
+  for (C c : {C{1, 8, 2, 64, true, false}, C{1, 128, 8, 2048, true, false}, C{3, 256, 8, 100, false, false},
+              C{8, 64, 8, 2048, false, false}, C{2, 60, 6, 48, true, true}, C{1, 256, 8, 2048, false, true},
+              C{5, 33, 1, 72, false, true}, C{4, 8, 8, 512, true, false}}) {
+    auto x = randn(size_t(c.T) * c.D, 2.f), nw = randn(c.D), wr = randn(size_t(c.E) * c.D, 0.05f);
+    if (c.ties)
+      for (int e = 1; e < c.E; e += 2) std::copy_n(wr.begin() + size_t(e - 1) * c.D, c.D, wr.begin() + size_t(e) * c.D);
+    auto wb = bf16_of(wr);
+    std::vector<float> h(x.size()), logits(size_t(c.T) * c.E), w(size_t(c.T) * c.K);
+    std::vector<int32_t> ids(w.size());
+    rmsnorm(h.data(), x.data(), nw.data(), c.T, c.D, 1e-6f);
+    matmul(logits.data(), h.data(), wb.data(), DType::BF16, c.T, c.E, c.D);
+    for (int t = 0; t < c.T; ++t)
+      route_softmax_topk(logits.data() + size_t(t) * c.E, c.E, c.K, c.renorm, ids.data() + t * c.K, w.data() + t * c.K);
+    Dev<float> dx(x), dnw(nw), dh(x.size()), dl(logits.size()), dw(w.size());
+    Dev<uint16_t> dwr(wb);
+    Dev<int32_t> di(ids.size());
+    Dev<unsigned> cnt(1);
+    CK(cudaMemset(cnt.p, 0, sizeof(unsigned)));
+    int wrong = 0;
+    double err = 0;
+    for (int rep = 0; rep < 2; ++rep) {
+      di.poison(), dw.poison();
+      CK(cu::moe_route(dh.p, dl.p, di.p, dw.p, cnt.p, dx.p, dnw.p, 1e-6f, dwr.p, c.T, c.E, c.K, c.D, c.renorm, 0));
+      const auto gi = di.get();
+      for (size_t i = 0; i < ids.size(); ++i) wrong += gi[i] != ids[i];
+      err = std::max({err, rel(dw.get(), w), rel(dh.get(), h), rel(dl.get(), logits)});
+    }
+    report(fmt("moe_route T=%d E=%d K=%d D=%d renorm=%d%s (x2)", c.T, c.E, c.K, c.D, int(c.renorm), c.ties ? " ties" : ""),
+           err, 1e-5, fmt("ids %s", wrong ? "DIFFER" : "exact"));
     if (wrong) ++g_fail;
   }
 }
@@ -296,6 +362,55 @@ void check_attention() {
     CK(cu::attention(dout.p, dq.p, dkc.p, dvc.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, c.split, part.p, 0));
     report(fmt("kv_append+attention T=%d past=%d H=%d Hkv=%d Dh=%d splits=%d", c.T, c.past, c.H, c.Hkv, c.Dh, n_splits),
            rel(dout.get(), ref), 1e-5);
+  }
+}
+
+// The one-launch decode attention: its cache writes and its output against kv_append +
+// attention_causal; a second launch on the same inputs must give the same bits (the split counters
+// are reset by the launch itself).
+void check_attention_decode() {
+  struct C { int T, past, H, Hkv, Dh, split; };
+  // split: keys per split asked for (the kernel balances n_splits splits over the keys itself).
+  for (C c : {C{1, 0, 4, 4, 16, 64}, C{1, 1000, 32, 4, 128, 64}, C{7, 33, 4, 2, 16, 8}, C{8, 300, 8, 8, 64, 64},
+              C{1, 4095, 16, 16, 128, 64}, C{3, 17, 12, 2, 32, 5}, C{1, 5, 2, 1, 256, 256}, C{2, 9000, 8, 1, 64, 8},
+              C{5, 200, 24, 4, 128, 1}, C{1, 63, 8, 2, 128, 64}, C{4, 4093, 32, 4, 128, 1000}, C{1, 3000, 4, 2, 256, 3000},
+              C{1, 700, 16, 16, 128, 512}}) {
+    const int n = c.past + c.T, row = c.Hkv * c.Dh;
+    auto q = randn(size_t(c.T) * c.H * c.Dh), k = randn(size_t(n) * row), v = randn(size_t(n) * row);
+    auto kb = bf16_of(k), vb = bf16_of(v);
+    std::vector<float> ref(q.size());
+    attention_causal(ref.data(), q.data(), kb.data(), vb.data(), DType::BF16, c.T, c.past, c.H, c.Hkv, c.Dh);
+    std::vector<float> knew(k.begin() + size_t(c.past) * row, k.end()), vnew(v.begin() + size_t(c.past) * row, v.end());
+    std::vector<uint16_t> kc(size_t(n + 3) * row, 0xffff), vc(size_t(n + 3) * row, 0xffff);  // poisoned rows past the end
+    std::copy_n(kb.begin(), size_t(c.past) * row, kc.begin());
+    std::copy_n(vb.begin(), size_t(c.past) * row, vc.begin());
+    std::vector<int32_t> pos(c.T);
+    for (int t = 0; t < c.T; ++t) pos[t] = c.past + t;
+    const int n_splits = (n + c.split - 1) / c.split;
+    Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
+    Dev<uint16_t> dkc(kc), dvc(vc);
+    Dev<int32_t> dp(pos);
+    Dev<unsigned> cnt(size_t(c.T) * c.Hkv);
+    CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
+    CK(cu::attention_decode(dout.p, dq.p, dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p,
+                            cnt.p, 0));
+    const auto got = dout.get();
+    dout.poison();
+    CK(cu::attention_decode(dout.p, dq.p, dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p,
+                            cnt.p, 0));
+    const auto got2 = dout.get();
+    const bool same = std::memcmp(got.data(), got2.data(), got.size() * 4) == 0;
+    // The cache must hold exactly the BF16 rows of all n keys, and nothing past them.
+    const auto gk = dkc.get(), gv = dvc.get();
+    size_t bad_rows = 0;
+    for (size_t i = 0; i < gk.size(); ++i) {
+      const uint16_t ek = i < kb.size() ? kb[i] : 0xffff, ev = i < vb.size() ? vb[i] : 0xffff;
+      bad_rows += gk[i] != ek || gv[i] != ev;
+    }
+    const int G = c.H / c.Hkv;
+    report(fmt("attention_decode T=%d past=%d G=%d Hkv=%d Dh=%d splits=%d", c.T, c.past, G, c.Hkv, c.Dh, n_splits),
+           rel(got, ref), 1e-5, fmt("rerun %s, cache %s", same ? "bit-identical" : "DIFFERS", bad_rows ? "WRONG" : "exact"));
+    if (!same || bad_rows) ++g_fail;
   }
 }
 
@@ -397,10 +512,11 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
 
 int bench_main(int argc, char** argv) {
   std::string config, model;
-  int ctx = 512, gen = 128, repeats = 3;
+  int ctx = 512, gen = 128, repeats = 3, batch = 1;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--config") config = v;
+    else if (k == "--batch") batch = std::stoi(v);
     else if (k == "--model") model = v;
     else if (k == "--ctx") ctx = std::stoi(v);
     else if (k == "--gen") gen = std::stoi(v);
@@ -419,14 +535,14 @@ int bench_main(int argc, char** argv) {
     b = make_cuda_backend(*w);
   }
   const double bw = cuda_copy_bandwidth();
-  nlohmann::json out = bench_stream(*b, cfg, ctx, gen, repeats);
+  nlohmann::json out = batch > 1 ? bench_batch(*b, cfg, batch, ctx, gen) : bench_stream(*b, cfg, ctx, gen, repeats);
   out["device"] = cuda_device_name();
   out["kv"] = "bf16";
   out["load_format"] = config.empty() ? "auto" : "dummy";
   out["config"] = config.empty() ? std::filesystem::path(model).filename().string()
                                  : std::filesystem::path(config).filename().string();
   if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS")) out["env"] = std::string("TIERMOE_CUDA_GRAPHS=") + e;
-  add_floor(out, cfg, bw);
+  if (batch == 1) add_floor(out, cfg, bw);
   std::printf("%s\n", out.dump().c_str());
   return 0;
 }
@@ -469,8 +585,10 @@ int main(int argc, char** argv) {
   check_gemv3();
   check_rmsnorm_rope_misc();
   check_route();
+  check_moe_route();
   check_moe();
   check_attention();
+  check_attention_decode();
   if (!kernels_only) {
     std::printf("== models: CUDA backend vs CPU backend ==\n");
     const std::string tiny = test::tinymix_dir();
