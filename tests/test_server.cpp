@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 
 #include "test_server_util.h"
@@ -42,6 +44,18 @@ json greedy(const std::string& prompt, int max_tokens, bool stream = false) {
 json ignoring_eos(json req) {
   req["ignore_eos"] = true;
   return req;
+}
+
+// Reads a streamed response from a raw socket until it has carried n SSE events.
+bool receive_sse_events(int fd, size_t n) {
+  std::string got;
+  char buf[4096];
+  while (test::sse_events(got.substr(std::min(got.size(), got.find("\r\n\r\n")))).size() < n) {
+    const ssize_t r = recv(fd, buf, sizeof buf, 0);
+    if (r <= 0) return false;
+    got.append(buf, size_t(r));
+  }
+  return true;
 }
 
 // Text of a streamed completion; checks the stream is well-formed (chunks, one finish, [DONE]).
@@ -116,7 +130,7 @@ TEST(Server, CompletionStreamingModelsHealthMetrics) {
   EXPECT_NE(chat.body.find("no chat template"), std::string::npos);
 
   const std::string m = test::http(port, "GET", "/metrics").body;
-  for (const char* name : {"tiermoe_queue_depth", "tiermoe_running_sequences", "tiermoe_kv_bytes{tier=",
+  for (const char* name : {"tiermoe_queue_depth", "tiermoe_running_sequences", "tiermoe_kv_bytes{tier=\"all\"}", "tiermoe_kv_bytes{tier=\"exact\"}",
                            "tiermoe_generation_tokens_per_second", "tiermoe_time_to_first_token_seconds_bucket",
                            "tiermoe_inter_token_latency_seconds_bucket", "tiermoe_requests_total{"})
     EXPECT_NE(m.find(name), std::string::npos) << name;
@@ -182,13 +196,7 @@ TEST(Server, ClientHangingUpMidStreamFreesItsSequence) {
   const int fd = test::connect_to(port, 30);
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(test::send_all(fd, test::request_text("POST", "/v1/completions", ignoring_eos(greedy("class Node:", 3000, true)).dump())));
-  std::string got;
-  char buf[4096];
-  while (test::sse_events(got.substr(std::min(got.size(), got.find("\r\n\r\n")))).size() < 3) {
-    const ssize_t n = recv(fd, buf, sizeof buf, 0);
-    ASSERT_GT(n, 0) << got;
-    got.append(buf, size_t(n));
-  }
+  ASSERT_TRUE(receive_sse_events(fd, 3));
   EXPECT_EQ(test::metric(port, "tiermoe_running_sequences"), 1);
   EXPECT_GT(test::metric(port, "tiermoe_kv_bytes"), 0);
   close(fd);  // hang up mid-stream
@@ -209,6 +217,55 @@ TEST(Server, ClientHangingUpMidStreamFreesItsSequence) {
   EXPECT_EQ(test::metric(port, "tiermoe_kv_bytes"), 0);
   EXPECT_EQ(test::metric(port, "tiermoe_cancelled_requests_total"), 2);
   EXPECT_EQ(test::post(port, "/v1/completions", greedy("x = 1\n", 3)).status, 200);
+}
+
+TEST(Server, KvBytesPerTierOfTheTieredCache) {
+  // The default tiered cache with a small window and middle: a 700-token prompt (past the 512
+  // calibration tokens) spreads over all four tiers while it decodes.
+  const std::string cfg = (std::filesystem::temp_directory_path() / ("tiermoe_tiers_" + std::to_string(getpid()) + ".json")).string();
+  std::ofstream(cfg) << R"({"preset": "default", "window": 32, "middle": 128})";
+  test::ServerProcess srv({"--model", test::tinymix_dir(), "--kv-config", cfg});
+  const int port = srv.port();
+  std::vector<int> prompt(700);
+  for (int i = 0; i < 700; ++i) prompt[size_t(i)] = (i * 37) % 8000 + 1;
+  const int fd = test::connect_to(port, 60);
+  ASSERT_GE(fd, 0);
+  json req = ignoring_eos(greedy("", 2000, true));
+  req["prompt"] = prompt;
+  ASSERT_TRUE(test::send_all(fd, test::request_text("POST", "/v1/completions", req.dump())));
+  ASSERT_TRUE(receive_sse_events(fd, 3));
+  // One snapshot: the sequence keeps decoding between two requests.
+  std::map<std::string, double> kv;
+  {
+    std::istringstream in(test::http(port, "GET", "/metrics").body);
+    std::string line;
+    const std::string prefix = "tiermoe_kv_bytes{tier=\"";
+    while (std::getline(in, line))
+      if (line.rfind(prefix, 0) == 0)
+        kv[line.substr(prefix.size(), line.find('"', prefix.size()) - prefix.size())] = std::atof(line.c_str() + line.rfind(' ') + 1);
+  }
+  auto tier = [&](const std::string& t) { return kv.count(t) ? kv.at(t) : -1; };
+  const double sink = tier("sink"), window = tier("window"), middle = tier("middle"), archive = tier("archive");
+  const double all = tier("all");
+  // tinymix: 8 layers x 2 KV heads x 128 = 2048 values per token; exact tiers hold BF16 K and V.
+  const double exact_token = 2048 * 4;
+  EXPECT_EQ(sink, 4 * exact_token);  // 4 sink tokens
+  EXPECT_EQ(std::fmod(window, exact_token), 0) << window;
+  EXPECT_GE(window / exact_token, 32);  // the window of 32, in whole 16-token pages
+  EXPECT_LT(window / exact_token, 48);
+  EXPECT_GT(middle, 0);
+  EXPECT_GT(archive, 0);
+  // Tiers are accounted by their formats; "all" is what the cache allocated, which may round
+  // up to whole pages (at most one 16-token page of exact rows).
+  EXPECT_NEAR(sink + window + middle + archive, all, 16 * exact_token) << sink << " " << window << " " << middle << " " << archive;
+  // At least 700 - 4 - 48 tokens are coded, at ~2-4 bits instead of 32: counted as exact they
+  // would be >= 5.3 MB; coded they stay under 3 MB even after 2000 generated tokens.
+  EXPECT_LT(middle + archive, 0.6 * (700 - 4 - 48) * exact_token);
+  close(fd);
+  EXPECT_TRUE(test::wait_until([&] { return test::metric(port, "tiermoe_running_sequences") == 0; }, 20s));
+  for (const char* t : {"sink", "window", "middle", "archive", "all"})
+    EXPECT_EQ(test::metric(port, std::string("tiermoe_kv_bytes{tier=\"") + t + "\"}"), 0) << t;
+  std::filesystem::remove(cfg);
 }
 
 TEST(Server, AdmissionByKvMemoryQueuesThen429) {

@@ -28,8 +28,16 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   int threads = c.threads;
   if (threads <= 0 && !std::getenv("TIERMOE_THREADS"))
     threads = std::max(1, int(std::thread::hardware_concurrency()) - 1);
-  EngineOptions eo = engine_options(c);  // --kv, --kv-config, --kv-profile as every command
+  if (s.max_batch < 1) throw InputError("--max-batch must be >= 1");
+  if (s.kv_memory_mb < 1) throw InputError("--kv-memory-mb must be >= 1");
+  EngineOptions eo = engine_options(c);  // --kv, --kv-config, --kv-profile, --backend as every command
   eo.threads = threads;
+  eo.scheduler.max_batch = s.max_batch;
+  eo.scheduler.max_queue = s.max_queue;
+  eo.scheduler.step_tokens = s.step_tokens;
+  eo.scheduler.kv_budget_bytes = size_t(s.kv_memory_mb) << 20;
+  auto metrics = std::make_shared<ServerMetrics>();
+  eo.observer = metrics;
   Engine engine(eo);
   ServerOptions opts;
   opts.host = s.host;
@@ -38,13 +46,7 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   opts.model_name = s.model_name.empty() ? std::filesystem::path(c.model_dir).lexically_normal().filename().string()
                                          : s.model_name;
   if (opts.model_name.empty()) opts.model_name = std::filesystem::path(c.model_dir).parent_path().filename().string();
-  if (s.max_batch < 1) throw InputError("--max-batch must be >= 1");
-  if (s.kv_memory_mb < 1) throw InputError("--kv-memory-mb must be >= 1");
-  opts.scheduler.max_batch = s.max_batch;
-  opts.scheduler.max_queue = s.max_queue;
-  opts.scheduler.step_tokens = s.step_tokens;
-  opts.scheduler.kv_budget_bytes = size_t(s.kv_memory_mb) << 20;
-  HttpServer server(engine, opts);
+  HttpServer server(engine, opts, metrics);
 
   std::thread signals([&] {
     int sig = 0;

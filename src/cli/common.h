@@ -14,6 +14,7 @@ struct CommonOptions {
   int threads = 0;
   bool json = false;
   std::string kv_config, kv_profile;
+  std::string backend = "cpu", load_format = "auto";  // generate, serve (bench has its own)
 };
 
 std::string read_text_file(const std::string& path);  // throws InputError naming the path
@@ -25,6 +26,8 @@ inline EngineOptions engine_options(const CommonOptions& c) {
   o.threads = c.threads;
   o.kv_config = c.kv_config;
   o.kv_profile = c.kv_profile;
+  o.backend = c.backend;
+  o.load_format = c.load_format;
   return o;
 }
 

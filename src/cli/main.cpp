@@ -21,6 +21,12 @@ void add_common(CLI::App* cmd, CommonOptions& c, bool json_flag = true) {
   if (json_flag) cmd->add_flag("--json", c.json, "Machine-readable output");
 }
 
+void add_backend(CLI::App* cmd, CommonOptions& c) {
+  cmd->add_option("--backend", c.backend, "cpu or cuda (KV cache in BF16)")->capture_default_str();
+  cmd->add_option("--load-format", c.load_format, "auto (checkpoint) or dummy (config.json's shapes, random weights "
+                  "on the GPU)")->capture_default_str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -30,6 +36,7 @@ int main(int argc, char** argv) {
 
   auto* gen = app.add_subcommand("generate", "Generate text from a prompt, streamed to stdout");
   add_common(gen, c);
+  add_backend(gen, c);
   std::string prompt, prompt_ids;
   int max_tokens = 128, top_k = 40;
   float temperature = 0.8f, top_p = 0.95f;
@@ -104,6 +111,7 @@ int main(int argc, char** argv) {
 
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
   add_common(serve, c, false);
+  add_backend(serve, c);
   ServeOptions so;
   serve->add_option("--host", so.host, "Address to listen on")->capture_default_str();
   serve->add_option("--port", so.port, "Port (0: any free port, printed at start)")->capture_default_str();
@@ -118,6 +126,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+
+  // The CUDA backend's cache is BF16; the CLI's default (the CPU's tiered cache) does not apply.
+  for (auto* cmd : {gen, serve})
+    if (*cmd && c.backend == "cuda" && cmd->count("--kv") == 0) c.kv = "bf16";
 
   try {
     if (*gen) {

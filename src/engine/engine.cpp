@@ -9,8 +9,10 @@
 
 #include "core/check.h"
 #include "core/thread_pool.h"
-#include "engine/stop_matcher.h"
 #include "kv/kv_profile.h"
+#if TIERMOE_HAVE_CUDA
+#include "cuda/cuda_backend.h"
+#endif
 
 namespace tiermoe {
 namespace {
@@ -21,13 +23,22 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-Engine::Engine(const EngineOptions& opts) : model_dir_(opts.model_dir) {
+Engine::Engine(const EngineOptions& opts) : opts_(opts) {
   if (opts.threads > 0) set_num_threads(opts.threads);
+  if (opts.backend != "cpu" && opts.backend != "cuda")
+    throw InputError("--backend must be cpu or cuda, not '" + opts.backend + "'");
+  if (opts.load_format != "auto" && opts.load_format != "dummy")
+    throw InputError("--load-format must be auto or dummy, not '" + opts.load_format + "'");
+  if (opts.load_format == "dummy" && opts.backend != "cuda") throw InputError("--load-format dummy needs --backend cuda");
   if (!std::filesystem::is_directory(opts.model_dir)) throw InputError(opts.model_dir + ": not a directory");
-  weights_ = load_weights(opts.model_dir);
+  if (opts.load_format == "dummy") {
+    config_ = load_config(opts.model_dir);
+  } else {
+    weights_ = load_weights(opts.model_dir);
+    config_ = weights_->cfg;
+  }
   if (std::filesystem::exists(std::filesystem::path(opts.model_dir) / "tokenizer.json"))
     tokenizer_.emplace(Tokenizer::load(opts.model_dir));
-  CpuBackendOptions bo;
   if (!opts.kv_config.empty()) {
     std::ifstream in(opts.kv_config);
     if (!in) throw InputError(opts.kv_config + ": cannot open --kv-config");
@@ -41,6 +52,19 @@ Engine::Engine(const EngineOptions& opts) : model_dir_(opts.model_dir) {
   } else {
     kv_spec_ = std::make_shared<KvSpec>(kv_preset(opts.kv));
   }
+  if (opts.backend == "cuda") {
+#if TIERMOE_HAVE_CUDA
+    if (!kv_spec_->exact || kv_spec_->exact_f32 || !opts.kv_profile.empty())
+      throw InputError("--kv " + kv_spec_->name + ": the CUDA backend keeps its KV cache in BF16 (--kv bf16, the default "
+                       "with --backend cuda); tiered caches and profiles are CPU-only so far");
+    backend_ = weights_ ? make_cuda_backend(*weights_) : make_cuda_backend_dummy(config_);
+    weights_.reset();  // uploaded; the host copy is not needed
+    return;
+#else
+    throw InputError("--backend cuda: this build has no CUDA backend (nvcc was not found at configure time)");
+#endif
+  }
+  CpuBackendOptions bo;
   if (kv_spec_->exact) bo.kv_dtype = kv_spec_->exact_f32 ? KvDType::F32 : KvDType::BF16;
   else bo.kv_spec = kv_spec_;
   if (!opts.kv_profile.empty()) {
@@ -57,7 +81,7 @@ KvGeometry Engine::kv_geometry() const {
 }
 
 const Tokenizer& Engine::tokenizer() const {
-  if (!tokenizer_) throw InputError(model_dir_ + ": no tokenizer.json (pass token ids instead of text)");
+  if (!tokenizer_) throw InputError(opts_.model_dir + ": no tokenizer.json (pass token ids instead of text)");
   return *tokenizer_;
 }
 
@@ -71,52 +95,48 @@ void Engine::check_ids(std::span<const int32_t> ids, const char* what) const {
                      std::to_string(config().max_position_embeddings));
 }
 
+Scheduler& Engine::scheduler() {
+  std::call_once(scheduler_once_, [&] {
+    scheduler_ = std::make_unique<Scheduler>(*backend_, config_, tokenizer_ ? &*tokenizer_ : nullptr, opts_.scheduler,
+                                             opts_.observer);
+  });
+  return *scheduler_;
+}
+
 GenerateResult Engine::generate(const GenerateRequest& req, const std::function<void(std::string_view)>& on_text) {
   if (req.prompt.empty()) throw InputError("prompt: empty (at least one token is needed)");
   if (req.max_tokens < 0) throw InputError("max_tokens: must be >= 0, got " + std::to_string(req.max_tokens));
   check_ids(req.prompt, "prompt");
-  Sampler sampler(req.sampling);
+  SeqRequest s;
+  s.max_tokens = std::min(req.max_tokens, config().max_position_embeddings - int(req.prompt.size()));
   GenerateResult res;
   res.finish_reason = "length";
-  const int V = config().vocab_size;
-  const int budget = std::min(req.max_tokens, config().max_position_embeddings - int(req.prompt.size()));
-  if (budget <= 0) return res;
+  if (s.max_tokens <= 0) return res;
+  s.prompt = req.prompt;
+  s.sampling = req.sampling;
+  s.stop = req.stop;
+  if (req.stop_at_eos) s.stop_ids = config().eos_token_ids;
 
-  std::unique_ptr<KvCache> cache = backend_->new_cache();
-  std::vector<float> logits(V);
-  std::optional<StreamDecoder> decoder;
-  if (tokenizer_) decoder.emplace(*tokenizer_);
-  StopMatcher stops(req.stop);
-  auto emit = [&](const std::string& s) {
-    res.text += s;
-    if (on_text && !s.empty()) on_text(s);
-  };
-
-  auto t0 = std::chrono::steady_clock::now();
-  backend_->forward(req.prompt, *cache, 1, logits.data());
-  res.prefill_seconds = seconds_since(t0);
-  t0 = std::chrono::steady_clock::now();
-  bool stopped = false;
-  for (int step = 0; step < budget && !stopped; ++step) {
-    const int32_t next = sampler.sample(logits);
-    const auto& eos = config().eos_token_ids;
-    if (req.stop_at_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) {
-      res.finish_reason = "stop";
+  const auto t0 = std::chrono::steady_clock::now();
+  std::shared_ptr<SeqStream> out = scheduler().submit(std::move(s));
+  std::optional<std::chrono::steady_clock::time_point> first;
+  for (;;) {
+    SeqStream::Chunk c = out->take(std::chrono::seconds(1));
+    if (!first && (!c.ids.empty() || c.finished)) {
+      first = std::chrono::steady_clock::now();
+      res.prefill_seconds = seconds_since(t0);
+    }
+    res.ids.insert(res.ids.end(), c.ids.begin(), c.ids.end());
+    res.text += c.text;
+    if (on_text && !c.text.empty()) on_text(c.text);
+    if (c.finished) {
+      if (c.finish_reason == "error") throw std::runtime_error(c.error);
+      if (c.finish_reason == "cancelled") throw std::runtime_error("generate: the scheduler stopped");
+      res.finish_reason = c.finish_reason;
       break;
     }
-    res.ids.push_back(next);
-    if (decoder) {
-      emit(stops.push(decoder->push(next), &stopped));
-      if (stopped) res.finish_reason = "stop";
-    }
-    if (step + 1 < budget && !stopped) backend_->forward(std::span(&next, 1), *cache, 1, logits.data());
   }
-  if (decoder && !stopped) {
-    emit(stops.push(decoder->flush(), &stopped));
-    if (stopped) res.finish_reason = "stop";
-    else emit(stops.flush());
-  }
-  res.decode_seconds = seconds_since(t0);
+  res.decode_seconds = seconds_since(*first);
   return res;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "engine/sampler.h"
+#include "engine/scheduler.h"
 #include "kv/kv_spec.h"
 #include "model/weights.h"
 #include "tokenizer/tokenizer.h"
@@ -22,6 +24,11 @@ struct EngineOptions {
   int threads = 0;         // 0: all cores (or TIERMOE_THREADS)
   std::string kv_config;   // JSON file of KV spec overrides (replaces `kv` when given)
   std::string kv_profile;  // offline KV calibration (tiermoe calibrate)
+  std::string backend = "cpu";        // cpu | cuda (builds with nvcc; BF16 weights and KV on one GPU)
+  std::string load_format = "auto";   // auto: the checkpoint | dummy: config.json's shapes, random
+                                      // weights on the GPU (cuda only; for speed, not for text)
+  SchedulerOptions scheduler;         // the engine's continuous-batching loop (generate, serve)
+  std::shared_ptr<SchedulerObserver> observer;  // its metrics, if anyone wants them
 };
 
 struct GenerateRequest {
@@ -49,27 +56,35 @@ class Engine {
  public:
   explicit Engine(const EngineOptions& opts);  // throws InputError for a bad model directory
 
-  const ModelConfig& config() const { return weights_->cfg; }
+  const ModelConfig& config() const { return config_; }
   bool has_tokenizer() const { return tokenizer_.has_value(); }
   const Tokenizer& tokenizer() const;  // throws InputError when the model has no tokenizer.json
   Backend& backend() { return *backend_; }
   const KvSpec& kv_spec() const { return *kv_spec_; }
   KvGeometry kv_geometry() const;
 
-  // on_text receives each new piece of text as it becomes final (whole UTF-8, stop strings
-  // held back until they cannot match).
+  // The continuous-batching loop that owns the backend from its first use on (started then).
+  Scheduler& scheduler();
+
+  // One request through the scheduler, waited for; safe to call from several threads at once
+  // (their requests are batched). on_text receives each new piece of text as it becomes final
+  // (whole UTF-8, stop strings held back until they cannot match).
   GenerateResult generate(const GenerateRequest& req, const std::function<void(std::string_view)>& on_text = {});
 
+  // Runs on the backend directly: not while the scheduler has work.
   ScoreResult score(std::span<const int32_t> ids, std::span<const int> logits_at = {});
 
  private:
   void check_ids(std::span<const int32_t> ids, const char* what) const;
 
-  std::unique_ptr<ModelWeights> weights_;
+  EngineOptions opts_;
+  ModelConfig config_;
+  std::unique_ptr<ModelWeights> weights_;  // the CPU backend reads them in place
   std::optional<Tokenizer> tokenizer_;
   std::unique_ptr<Backend> backend_;
   std::shared_ptr<const KvSpec> kv_spec_;
-  std::string model_dir_;
+  std::once_flag scheduler_once_;
+  std::unique_ptr<Scheduler> scheduler_;  // last: stopped before the backend goes
 };
 
 }  // namespace tiermoe

@@ -76,14 +76,18 @@ bool peer_gone(int fd) {
 }  // namespace
 
 struct HttpServer::Impl {
-  Impl(Engine& e, const ServerOptions& o)
-      : engine(e), opts(o), chat_template(ChatTemplate::load(o.model_dir)), scheduler(e, o.scheduler, metrics) {}
+  Impl(Engine& e, const ServerOptions& o, std::shared_ptr<ServerMetrics> m)
+      : engine(e), opts(o), chat_template(ChatTemplate::load(o.model_dir)), metrics_owner(std::move(m)),
+        metrics(*metrics_owner), scheduler(e.scheduler()) {
+    metrics.set_kv_budget(scheduler.options().kv_budget_bytes);
+  }
 
   Engine& engine;
   ServerOptions opts;
   ChatTemplate chat_template;
-  ServerMetrics metrics;
-  Scheduler scheduler;
+  std::shared_ptr<ServerMetrics> metrics_owner;
+  ServerMetrics& metrics;
+  Scheduler& scheduler;
   httplib::Server http;
 
   void send_error(httplib::Response& res, const ApiError& e) {
@@ -317,13 +321,14 @@ struct HttpServer::Impl {
   }
 };
 
-HttpServer::HttpServer(Engine& engine, const ServerOptions& opts) {
+HttpServer::HttpServer(Engine& engine, const ServerOptions& opts, std::shared_ptr<ServerMetrics> metrics) {
   engine.tokenizer();  // throws InputError when the model has no tokenizer.json
-  impl_ = std::make_unique<Impl>(engine, opts);
+  impl_ = std::make_unique<Impl>(engine, opts, std::move(metrics));
   impl_->routes();
   // One HTTP thread per connection that waits on a sequence: the running batch, the queue and
   // a few for /metrics and requests that are refused.
-  const size_t threads = size_t(opts.scheduler.max_batch + opts.scheduler.max_queue + 16);
+  const SchedulerOptions& so = impl_->scheduler.options();
+  const size_t threads = size_t(so.max_batch + so.max_queue + 16);
   impl_->http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   impl_->http.set_payload_max_length(std::max<size_t>(opts.max_body_bytes * 4, 16 << 20));
   impl_->http.set_read_timeout(30, 0);

@@ -43,7 +43,31 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
   out += name + "_sum " + num(sum_) + "\n" + name + "_count " + std::to_string(count_) + "\n";
 }
 
-ServerMetrics::ServerMetrics() : ttft(latency_buckets()), itl(latency_buckets()), e2e(latency_buckets()) {}
+ServerMetrics::ServerMetrics() : ttft_(latency_buckets()), itl_(latency_buckets()), e2e_(latency_buckets()) {}
+
+void ServerMetrics::on_gauges(int64_t running, const KvTierBytes& kv, size_t reserved_bytes) {
+  running_ = running;
+  kv_reserved_bytes_ = int64_t(reserved_bytes);
+  std::lock_guard lock(mu_);
+  for (auto& [tier, bytes] : kv_bytes_) bytes = 0;  // a tier seen once stays, at 0 when empty
+  for (const auto& [tier, bytes] : kv) kv_bytes_[tier] = bytes;
+  if (running == 0) tokens_per_second_ = 0;
+}
+
+void ServerMetrics::on_step(int prompt_tokens, int generated_tokens) {
+  prompt_tokens_total_ += prompt_tokens;
+  generation_tokens_total_ += generated_tokens;
+  ++steps_total_;
+  std::lock_guard lock(mu_);
+  window_tokens_ += generated_tokens;
+  const auto now = std::chrono::steady_clock::now();
+  const double s = std::chrono::duration<double>(now - window_start_).count();
+  if (s > 2) {
+    tokens_per_second_ = double(window_tokens_) / s;
+    window_start_ = now;
+    window_tokens_ = 0;
+  }
+}
 
 void ServerMetrics::count_request(const std::string& endpoint, int status) {
   std::lock_guard lock(mu_);
@@ -52,30 +76,33 @@ void ServerMetrics::count_request(const std::string& endpoint, int status) {
 
 std::string ServerMetrics::render() const {
   std::string out;
-  gauge(out, "tiermoe_queue_depth", "gauge", "Requests waiting for admission", double(queue_depth.load()));
-  gauge(out, "tiermoe_running_sequences", "gauge", "Sequences in the running batch", double(running.load()));
-  out += "# HELP tiermoe_kv_bytes KV cache bytes held by running sequences, per tier\n# TYPE tiermoe_kv_bytes gauge\n";
-  out += "tiermoe_kv_bytes{tier=\"all\"} " + num(double(kv_bytes.load())) + "\n";
+  gauge(out, "tiermoe_queue_depth", "gauge", "Requests waiting for admission", double(queue_depth_.load()));
+  gauge(out, "tiermoe_running_sequences", "gauge", "Sequences in the running batch", double(running_.load()));
   gauge(out, "tiermoe_kv_reserved_bytes", "gauge", "KV bytes reserved by admitted sequences (prompt + max_tokens)",
-        double(kv_reserved_bytes.load()));
-  gauge(out, "tiermoe_kv_budget_bytes", "gauge", "KV bytes admission may reserve", double(kv_budget_bytes.load()));
-  gauge(out, "tiermoe_prompt_tokens_total", "counter", "Prompt tokens prefilled", double(prompt_tokens_total.load()));
-  gauge(out, "tiermoe_generation_tokens_total", "counter", "Tokens generated", double(generation_tokens_total.load()));
-  gauge(out, "tiermoe_generation_tokens_per_second", "gauge", "Generated tokens per second, recent",
-        generation_tokens_per_second.load());
+        double(kv_reserved_bytes_.load()));
+  gauge(out, "tiermoe_kv_budget_bytes", "gauge", "KV bytes admission may reserve", double(kv_budget_bytes_.load()));
+  gauge(out, "tiermoe_prompt_tokens_total", "counter", "Prompt tokens prefilled", double(prompt_tokens_total_.load()));
+  gauge(out, "tiermoe_generation_tokens_total", "counter", "Tokens generated", double(generation_tokens_total_.load()));
   gauge(out, "tiermoe_cancelled_requests_total", "counter", "Requests dropped because the client went away",
-        double(cancelled_total.load()));
-  gauge(out, "tiermoe_scheduler_steps_total", "counter", "Batched forward steps", double(steps_total.load()));
+        double(cancelled_total_.load()));
+  gauge(out, "tiermoe_scheduler_steps_total", "counter", "Batched forward steps", double(steps_total_.load()));
   {
     std::lock_guard lock(mu_);
+    gauge(out, "tiermoe_generation_tokens_per_second", "gauge", "Generated tokens per second, recent", tokens_per_second_);
+    out += "# HELP tiermoe_kv_bytes KV cache bytes held by running sequences, per tier "
+           "(sink/window/middle/archive of the tiered cache, exact otherwise; all: the sum)\n"
+           "# TYPE tiermoe_kv_bytes gauge\n";
+    out += "tiermoe_kv_bytes{tier=\"all\"} " + num(double(kv_bytes_.count("all") ? kv_bytes_.at("all") : 0)) + "\n";
+    for (const auto& [tier, bytes] : kv_bytes_)
+      if (tier != "all") out += "tiermoe_kv_bytes{tier=\"" + tier + "\"} " + num(double(bytes)) + "\n";
     out += "# HELP tiermoe_requests_total HTTP requests answered\n# TYPE tiermoe_requests_total counter\n";
     for (const auto& [key, n] : requests_)
       out += "tiermoe_requests_total{endpoint=\"" + key.first + "\",status=\"" + std::to_string(key.second) + "\"} " +
              std::to_string(n) + "\n";
   }
-  ttft.render(out, "tiermoe_time_to_first_token_seconds", "Time from arrival to the first generated token");
-  itl.render(out, "tiermoe_inter_token_latency_seconds", "Time between consecutive generated tokens of a request");
-  e2e.render(out, "tiermoe_request_latency_seconds", "Time from arrival to the last token");
+  ttft_.render(out, "tiermoe_time_to_first_token_seconds", "Time from arrival to the first generated token");
+  itl_.render(out, "tiermoe_inter_token_latency_seconds", "Time between consecutive generated tokens of a request");
+  e2e_.render(out, "tiermoe_request_latency_seconds", "Time from arrival to the last token");
   return out;
 }
 

@@ -1,4 +1,4 @@
-#include "server/scheduler.h"
+#include "engine/scheduler.h"
 
 #include <algorithm>
 #include <optional>
@@ -17,16 +17,27 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 constexpr int kPageTokens = 16;      // reservations round up to whole pages
 constexpr int kMinPrefillChunk = 16;  // prefill progresses even when decodes fill the step
 
-
 }  // namespace
+
+KvTierBytes kv_bytes_by_tier(const KvCache& cache, const KvGeometry& g) {
+  KvTierBytes out;
+  const KvCache::Stats st = cache.stats();
+  // A tier's bits per value times its values: the accounting of Stats::token_bytes.
+  const double values_per_token = double(g.num_layers) * g.num_kv_heads * g.head_dim;
+  for (const auto& t : st.tiers) out[t.tier] += int64_t(double(t.tokens) * values_per_token * (t.k_bits + t.v_bits) / 8);
+  if (st.tiers.empty()) out["exact"] = int64_t(cache.bytes());
+  out["all"] = int64_t(cache.bytes());
+  return out;
+}
 
 // ---- SeqStream ----
 
 SeqStream::Chunk SeqStream::take(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  cv_.wait_for(lock, timeout, [&] { return !pending_.empty() || finished_; });
+  cv_.wait_for(lock, timeout, [&] { return !pending_ids_.empty() || finished_; });
   Chunk c;
   c.text = std::exchange(pending_, {});
+  c.ids = std::exchange(pending_ids_, {});
   c.finished = finished_;
   c.finish_reason = finish_reason_;
   c.error = error_;
@@ -35,10 +46,11 @@ SeqStream::Chunk SeqStream::take(std::chrono::milliseconds timeout) {
   return c;
 }
 
-void SeqStream::push(const std::string& text, int completion_tokens) {
+void SeqStream::push(const std::string& text, int32_t id, int completion_tokens) {
   {
     std::lock_guard lock(mu_);
     pending_ += text;
+    pending_ids_.push_back(id);
     completion_tokens_ = completion_tokens;
   }
   cv_.notify_all();
@@ -58,13 +70,14 @@ void SeqStream::finish(const std::string& reason, int completion_tokens, const s
 // ---- Scheduler ----
 
 struct Scheduler::Seq {
-  Seq(SeqRequest r, const Tokenizer& tok)
-      : req(std::move(r)), sampler(req.sampling), decoder(tok), stops(req.stop) {}
+  Seq(SeqRequest r, const Tokenizer* tok) : req(std::move(r)), sampler(req.sampling), stops(req.stop) {
+    if (tok) decoder.emplace(*tok);
+  }
   SeqRequest req;
   std::shared_ptr<SeqStream> out = std::make_shared<SeqStream>();
   std::unique_ptr<KvCache> cache;
   Sampler sampler;
-  StreamDecoder decoder;
+  std::optional<StreamDecoder> decoder;  // none: ids only, no text
   StopMatcher stops;
   size_t reserved = 0;  // KV bytes reserved at admission
   int prefilled = 0;    // prompt tokens already in the cache
@@ -75,19 +88,20 @@ struct Scheduler::Seq {
   bool decoding() const { return prefilled == int(req.prompt.size()); }
 };
 
-Scheduler::Scheduler(Engine& engine, const SchedulerOptions& opts, ServerMetrics& metrics)
-    : engine_(engine), opts_(opts), metrics_(metrics) {
+Scheduler::Scheduler(Backend& backend, const ModelConfig& cfg, const Tokenizer* tokenizer, const SchedulerOptions& opts,
+                     std::shared_ptr<SchedulerObserver> observer)
+    : backend_(backend), cfg_(cfg), tokenizer_(tokenizer), opts_(opts),
+      observer_(observer ? std::move(observer) : std::make_shared<SchedulerObserver>()) {
   if (opts_.max_batch < 1) throw InputError("--max-batch must be >= 1");
   if (opts_.max_queue < 0) throw InputError("--max-queue must be >= 0");
   if (opts_.step_tokens < 1) throw InputError("--step-tokens must be >= 1");
   // What one token costs in this backend's cache: measured on a probe sequence, so that the
   // estimate follows whatever the cache stores (exact, BF16, compressed tiers).
-  constexpr int kProbe = 64;
-  auto probe = engine_.backend().new_cache();
-  const std::vector<int32_t> ids(kProbe, engine_.config().eos_token_ids.empty() ? 0 : engine_.config().eos_token_ids[0]);
-  engine_.backend().forward(ids, *probe, 0, nullptr);
-  bytes_per_token_ = std::max<size_t>(1, (probe->bytes() + kProbe - 1) / kProbe);
-  metrics_.kv_budget_bytes = int64_t(opts_.kv_budget_bytes);
+  const int probe_tokens = std::min(64, cfg_.max_position_embeddings);
+  auto probe = backend_.new_cache();
+  const std::vector<int32_t> ids(size_t(probe_tokens), cfg_.eos_token_ids.empty() ? 0 : cfg_.eos_token_ids[0]);
+  backend_.forward(ids, *probe, 0, nullptr);
+  bytes_per_token_ = std::max<size_t>(1, (probe->bytes() + probe_tokens - 1) / probe_tokens);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -106,20 +120,28 @@ size_t Scheduler::reservation_bytes(size_t prompt_tokens, int max_tokens) const 
 }
 
 std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
-  CHECK(!req.prompt.empty());
-  auto seq = std::make_unique<Seq>(std::move(req), engine_.tokenizer());  // Sampler validates
+  if (req.prompt.empty()) throw InputError("prompt: empty (at least one token is needed)");
+  if (req.max_tokens < 1) throw InputError("max_tokens: must be >= 1, got " + std::to_string(req.max_tokens));
+  for (int32_t id : req.prompt)
+    if (id < 0 || id >= cfg_.vocab_size)
+      throw InputError("prompt: token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
+                       std::to_string(cfg_.vocab_size) + ")");
+  if (int(req.prompt.size()) >= cfg_.max_position_embeddings)
+    throw InputError("prompt: " + std::to_string(req.prompt.size()) + " tokens leave no room to generate in the model's context of " +
+                     std::to_string(cfg_.max_position_embeddings));
+  auto seq = std::make_unique<Seq>(std::move(req), tokenizer_);  // Sampler validates
   seq->reserved = reservation_bytes(seq->req.prompt.size(), seq->req.max_tokens);
   if (seq->reserved > opts_.kv_budget_bytes)
     throw InputError("the request needs " + std::to_string(seq->reserved) + " bytes of KV cache (prompt + max_tokens), " +
-                     "more than the server's budget of " + std::to_string(opts_.kv_budget_bytes));
+                     "more than the budget of " + std::to_string(opts_.kv_budget_bytes) + " (--kv-memory-mb)");
   seq->out->prompt_tokens_ = int(seq->req.prompt.size());
   auto out = seq->out;
   {
     std::lock_guard lock(mu_);
-    if (stop_) throw QueueFull("the server is shutting down");
+    if (stop_) throw QueueFull("the scheduler is shutting down");
     if (int(waiting_.size()) >= opts_.max_queue) throw QueueFull("the request queue is full");
     waiting_.push_back(std::move(seq));
-    metrics_.queue_depth = int64_t(waiting_.size());
+    observer_->on_queue_depth(int64_t(waiting_.size()));
   }
   cv_.notify_all();
   return out;
@@ -127,20 +149,15 @@ std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
 
 void Scheduler::loop() {
   std::vector<std::unique_ptr<Seq>> running;
-  Clock::time_point window_start = Clock::now();
-  int64_t window_tokens0 = 0;
   for (;;) {
     {
       std::unique_lock lock(mu_);
-      if (running.empty()) {
-        metrics_.generation_tokens_per_second = 0;
-        cv_.wait(lock, [&] { return stop_ || !waiting_.empty(); });
-      }
+      if (running.empty()) cv_.wait(lock, [&] { return stop_ || !waiting_.empty(); });
       if (stop_) break;
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         if ((*it)->out->cancelled()) {
           (*it)->out->finish("cancelled", 0);
-          ++metrics_.cancelled_total;
+          observer_->on_cancelled();
           it = waiting_.erase(it);
         } else {
           ++it;
@@ -152,21 +169,27 @@ void Scheduler::loop() {
              (running.empty() || reserved_bytes_ + waiting_.front()->reserved <= opts_.kv_budget_bytes)) {
         auto& s = waiting_.front();
         reserved_bytes_ += s->reserved;
-        s->cache = engine_.backend().new_cache();
+        s->cache = backend_.new_cache();
         running.push_back(std::move(s));
         waiting_.pop_front();
       }
-      metrics_.queue_depth = int64_t(waiting_.size());
+      observer_->on_queue_depth(int64_t(waiting_.size()));
     }
-    if (!running.empty()) step(running);
+    if (!running.empty()) {
+      try {
+        step(running);
+      } catch (const std::exception& e) {
+        // The backend failed (e.g. out of memory): end every running request with the reason,
+        // free their caches, and keep serving.
+        std::vector<std::pair<std::shared_ptr<SeqStream>, int>> failed;
+        for (auto& s : running) failed.emplace_back(s->out, s->generated);
+        running.clear();
+        reserved_bytes_ = 0;
+        publish_gauges(running);
+        for (auto& [out, generated] : failed) out->finish("error", generated, e.what());
+      }
+    }
     publish_gauges(running);
-    const auto now = Clock::now();
-    if (now - window_start > std::chrono::seconds(2)) {
-      const int64_t total = metrics_.generation_tokens_total.load();
-      metrics_.generation_tokens_per_second = double(total - window_tokens0) / seconds(now - window_start);
-      window_start = now;
-      window_tokens0 = total;
-    }
   }
   for (auto& s : running) s->out->finish("cancelled", s->generated);
   std::lock_guard lock(mu_);
@@ -175,11 +198,11 @@ void Scheduler::loop() {
 }
 
 void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running) {
-  size_t kv = 0;
-  for (const auto& s : running) kv += s->cache->bytes();
-  metrics_.kv_bytes = int64_t(kv);
-  metrics_.kv_reserved_bytes = int64_t(reserved_bytes_);
-  metrics_.running = int64_t(running.size());
+  const KvGeometry g{cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim};
+  KvTierBytes kv{{"all", 0}};
+  for (const auto& s : running)
+    for (const auto& [tier, bytes] : kv_bytes_by_tier(*s->cache, g)) kv[tier] += bytes;
+  observer_->on_gauges(int64_t(running.size()), kv, reserved_bytes_);
 }
 
 void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
@@ -191,7 +214,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     if (running[i]->out->cancelled()) {
       auto out = running[i]->out;
       const int generated = running[i]->generated;
-      ++metrics_.cancelled_total;
+      observer_->on_cancelled();
       retire(i);
       publish_gauges(running);
       out->finish("cancelled", generated);
@@ -201,7 +224,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   // Decodes first (one token each), then prompt chunks in arrival order with what is left.
   std::vector<Backend::SeqStep> steps;
   std::vector<Seq*> with_logits;
-  int n_decode = 0;
+  int n_decode = 0, n_prompt = 0;
   for (auto& s : running)
     if (s->decoding()) {
       steps.push_back({std::span(&s->next, 1), s->cache.get(), 1});
@@ -217,55 +240,58 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     if (last) with_logits.push_back(s.get());
     s->prefilled += n;
     budget -= n;
-    metrics_.prompt_tokens_total += n;
+    n_prompt += n;
   }
   // forward_batch writes logits in step order; with_logits follows the same order.
-  const int V = engine_.config().vocab_size;
+  const int V = cfg_.vocab_size;
   std::vector<float> logits(with_logits.size() * size_t(V));
-  engine_.backend().forward_batch(steps, logits.data());
-  ++metrics_.steps_total;
+  backend_.forward_batch(steps, logits.data());
 
   const auto now = Clock::now();
-  const int ctx = engine_.config().max_position_embeddings;
+  const int ctx = cfg_.max_position_embeddings;
   struct Finished {
     std::shared_ptr<SeqStream> out;
     std::string reason;
     int generated;
   };
   std::vector<Finished> finished;
+  int n_generated = 0;
   for (size_t r = 0; r < with_logits.size(); ++r) {
     Seq& s = *with_logits[r];
     const int32_t id = s.sampler.sample(std::span(logits.data() + r * size_t(V), size_t(V)));
-    if (s.generated == 0) metrics_.ttft.observe(seconds(now - s.arrival));
-    else metrics_.itl.observe(seconds(now - s.last_token));
+    if (s.generated == 0) observer_->on_first_token(seconds(now - s.arrival));
+    else observer_->on_next_token(seconds(now - s.last_token));
     s.last_token = now;
     std::string reason;
     if (std::find(s.req.stop_ids.begin(), s.req.stop_ids.end(), id) != s.req.stop_ids.end()) {
       reason = "stop";
     } else {
       ++s.generated;
-      ++metrics_.generation_tokens_total;
+      ++n_generated;
       bool stopped = false;
-      std::string text = s.stops.push(s.decoder.push(id), &stopped);
+      std::string text = s.decoder ? s.stops.push(s.decoder->push(id), &stopped) : std::string();
       if (stopped) {
         reason = "stop";
       } else if (s.generated >= s.req.max_tokens || int(s.req.prompt.size()) + s.generated >= ctx) {
-        text += s.stops.push(s.decoder.flush(), &stopped);
-        if (!stopped) text += s.stops.flush();
+        if (s.decoder) {
+          text += s.stops.push(s.decoder->flush(), &stopped);
+          if (!stopped) text += s.stops.flush();
+        }
         reason = stopped ? "stop" : "length";
       }
-      if (!text.empty()) s.out->push(text, s.generated);
+      s.out->push(text, id, s.generated);
       s.next = id;
     }
     if (!reason.empty()) {
       finished.push_back({s.out, reason, s.generated});
-      metrics_.e2e.observe(seconds(now - s.arrival));
+      observer_->on_finished(seconds(now - s.arrival));
       s.next = -1;  // marks it for retirement below
     }
   }
+  observer_->on_step(n_prompt, n_generated);
   for (size_t i = running.size(); i-- > 0;)
     if (running[i]->decoding() && running[i]->next < 0) retire(i);
-  // Clients hear that they are done only once their KV is freed and the gauges say so.
+  // Callers hear that they are done only once their KV is freed and the gauges say so.
   publish_gauges(running);
   for (auto& f : finished) f.out->finish(f.reason, f.generated);
 }

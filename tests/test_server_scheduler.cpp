@@ -1,0 +1,118 @@
+// The engine's continuous-batching scheduler (shared by Engine::generate and tiermoe serve):
+// generate calls from several threads are batched and still equal to the same calls alone,
+// the observer sees what the loop does, bad requests are InputErrors, and KV bytes by tier.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include "core/check.h"
+#include "engine/engine.h"
+#include "test_util.h"
+
+namespace tiermoe {
+namespace {
+
+EngineOptions tinymix() {
+  EngineOptions o;
+  o.model_dir = test::tinymix_dir();  // the library's default KV cache: exact f32
+  return o;
+}
+
+struct CountingObserver : SchedulerObserver {
+  std::atomic<int64_t> max_running{0}, steps{0}, generated{0}, finished{0};
+  void on_gauges(int64_t running, const KvTierBytes&, size_t) override {
+    int64_t m = max_running.load();
+    while (running > m && !max_running.compare_exchange_weak(m, running)) {}
+  }
+  void on_step(int, int g) override {
+    ++steps;
+    generated += g;
+  }
+  void on_finished(double) override { ++finished; }
+};
+
+TEST(Scheduler, GenerateFromSeveralThreadsIsBatchedAndEqualsAlone) {
+  EngineOptions opts = tinymix();
+  auto obs = std::make_shared<CountingObserver>();
+  opts.observer = obs;
+  Engine engine(opts);
+  const std::vector<std::string> prompts = {"def add(a, b):\n", "import os\n\n", "class Stack:\n    def ", "for i in range("};
+  constexpr int kTokens = 48;
+  auto request = [&](const std::string& p) {
+    GenerateRequest r;
+    r.prompt = engine.tokenizer().encode(p);
+    r.sampling.temperature = 0;
+    r.max_tokens = kTokens;
+    r.stop_at_eos = false;
+    return r;
+  };
+  std::vector<GenerateResult> alone;
+  for (const auto& p : prompts) alone.push_back(engine.generate(request(p)));
+  const int64_t steps_alone = obs->steps.load();
+  EXPECT_EQ(obs->max_running.load(), 1);
+  EXPECT_EQ(obs->generated.load(), int64_t(prompts.size()) * kTokens);
+
+  std::vector<GenerateResult> together(prompts.size());
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    threads.emplace_back([&, i] {
+      ++ready;
+      while (ready.load() < int(prompts.size())) std::this_thread::yield();
+      together[i] = engine.generate(request(prompts[i]));
+    });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(together[i].ids, alone[i].ids) << prompts[i];
+    EXPECT_EQ(together[i].text, alone[i].text) << prompts[i];
+    EXPECT_EQ(together[i].finish_reason, "length");
+  }
+  EXPECT_GE(obs->max_running.load(), 2);  // the threads' requests shared steps
+  EXPECT_LT(obs->steps.load() - steps_alone, steps_alone);
+  EXPECT_EQ(obs->finished.load(), 2 * int64_t(prompts.size()));
+}
+
+TEST(Scheduler, BadRequestsAreInputErrors) {
+  Engine engine(tinymix());
+  Scheduler& s = engine.scheduler();
+  SeqRequest r;
+  EXPECT_THROW(s.submit(r), InputError);  // empty prompt
+  r.prompt = {1, 2, 8192};
+  EXPECT_THROW(s.submit(r), InputError);  // outside the vocabulary
+  r.prompt = {1, 2};
+  r.max_tokens = 0;
+  EXPECT_THROW(s.submit(r), InputError);
+  r.max_tokens = 4;
+  r.sampling.temperature = -1;
+  EXPECT_THROW(s.submit(r), InputError);
+  r.sampling.temperature = 0;
+  r.prompt.assign(size_t(engine.config().max_position_embeddings), 5);
+  EXPECT_THROW(s.submit(r), InputError);  // no room left to generate
+  r.prompt = {1, 2};
+  auto out = s.submit(r);
+  SeqStream::Chunk c;
+  std::vector<int32_t> ids;
+  while (!c.finished) {
+    c = out->take(std::chrono::seconds(10));
+    ids.insert(ids.end(), c.ids.begin(), c.ids.end());
+  }
+  EXPECT_LE(ids.size(), 4u);
+  EXPECT_EQ(int(ids.size()), c.completion_tokens);
+}
+
+TEST(Scheduler, KvBytesByTierOfAnExactCache) {
+  Engine engine(tinymix());
+  auto cache = engine.backend().new_cache();
+  const std::vector<int32_t> ids(40, 7);
+  engine.backend().forward(ids, *cache, 0, nullptr);
+  const KvTierBytes b = kv_bytes_by_tier(*cache, engine.kv_geometry());
+  // 40 tokens x 8 layers x 2 KV heads x 128 x (K and V) x 4 bytes.
+  EXPECT_EQ(b.at("all"), 40 * 8 * 2 * 128 * 2 * 4);
+  EXPECT_EQ(b.at("exact"), b.at("all"));
+  EXPECT_EQ(b.size(), 2u);
+}
+
+}  // namespace
+}  // namespace tiermoe
