@@ -3,7 +3,8 @@
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
 #   scripts/gpu_check.sh [full|quick|benchonly|again|profile|batch]   (quick: no large published
 #   configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
-#   initcheck; profile: per-kernel times of one decode step under ncu; batch: B = 1, 8, 32, 64)
+#   initcheck; profile: per-kernel times of one decode step under ncu; batch: B = 1, 8, 32, 64;
+#   moe: fused vs unfused MoE layer side by side)
 # Binaries: ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and carried, when the
 # machine lacks the tokenizer's libraries), else built here with CMake.
 set -uo pipefail
@@ -48,6 +49,24 @@ for n, (c, t) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
     print(f"  {n:32s} x{c:4d} {t:8.1f} us  {t / c:6.2f} us each  {100 * t / s:5.1f}%")
 PY
   done
+  exit 0
+fi
+if [ "$MODE" = moe ]; then  # the fused MoE layer against the unfused one, same binary, one run
+  for cfg in olmoe-1b-7b-v8192.json qwen3-30b-a3b-L16-v8192.json; do
+    for B in 1 8; do
+      for moe in fused unfused; do
+        log "moe $cfg B=$B $moe"
+        timeout 100 env TIERMOE_CUDA_MOE=$moe $C bench --config configs/$cfg --ctx 1024 --gen 64 --repeats 2 --batch $B |
+          sed "s/^{/{\"moe\":\"$moe\",/" | tee -a "$OUT/moe.jsonl"
+      done
+    done
+  done
+  python3 - "$OUT/moe.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print(f"{j['config']:30s} {j['moe']:8s} B={j['batch']:2d} ctx {j['prompt_tokens']}  p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s")
+PY
   exit 0
 fi
 if [ "$MODE" = batch ]; then  # B streams, one token each per step (forward_batch), ctx 1024 each

@@ -7,7 +7,7 @@
 // keys and values are taken from k_new / v_new (FP32, rounded to BF16 as the cache stores them),
 // never from the cache rows this launch writes, so no block waits on another. The last block of a
 // (token, KV head) to finish -- counted with an atomic, reset by that block for the next launch --
-// merges the splits' partial softmax results, one warp per query head.
+// merges the splits' partial softmax results.
 #include <cmath>
 
 #include <cuda_bf16.h>
@@ -19,6 +19,12 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
+__device__ __forceinline__ float warp_sum_f(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
   f[0] = __uint_as_float(w.x << 16), f[1] = __uint_as_float(w.x & 0xffff0000u);
   f[2] = __uint_as_float(w.y << 16), f[3] = __uint_as_float(w.y & 0xffff0000u);
@@ -26,31 +32,24 @@ __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
   f[6] = __uint_as_float(w.w << 16), f[7] = __uint_as_float(w.w & 0xffff0000u);
 }
 
-// Merges softmax state (m, l, acc) with another one; m = -inf means empty.
-template <int GM>
-__device__ __forceinline__ void merge(float& m, float& l, float* acc, float mo, float lo, const float* acco) {
-  const float M = fmaxf(m, mo);
-  const float a = m == -INFINITY ? 0.f : expf(m - M), b = mo == -INFINITY ? 0.f : expf(mo - M);
-  l = l * a + lo * b;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = acc[i] * a + acco[i] * b;
-  m = M;
-}
-
 // grid (Hkv, n_splits, T), kWarpsPerBlock warps. GM >= G query heads per KV head. Dh = 8 * L with
 // L lanes per key, L in {2, 4, 8, 16, 32}. The keys 0 .. pos[T-1] are cut into n_splits equal
 // splits here (not by the caller), so one captured launch stays balanced as the sequence grows.
-// Each split is read in tiles of kTileElems / Dh keys: all threads load a tile into shared memory
-// at once (one memory round trip), then the warps compute from it.
+// Each split is read in tiles: all threads load a tile of K and V rows into shared memory at once
+// (one memory round trip), then three phases with independent work for every thread: (A) the
+// scores of all G heads for every key of the tile, (B) per head the tile's max, exp and sum (online
+// softmax across tiles), (C) P V: a thread owns 8 dims of one head for a subset of the keys.
 constexpr int kTileElems = 8192;  // BF16 values per K (and per V) tile: 16 KB each
+constexpr int kMaxTile = 128;     // keys per tile at most
+constexpr int kThreads = kWarpsPerBlock * 32;
 
 template <int GM>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_decode_kernel(
+__global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* __restrict__ kc, bf16* __restrict__ vc, const float* __restrict__ k_new,
     const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv, int Dh) {
   const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
-  const int G = H / Hkv, L = Dh / 8, slots = 32 / L, tile = kTileElems / Dh;
+  const int G = H / Hkv, L = Dh / 8, slots = 32 / L, tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
   const int first_new = pos[0], n = pos[t] + 1;
   const int split_len = (pos[T - 1] + 1 + n_splits - 1) / n_splits;
@@ -66,23 +65,27 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_decode_kernel(
     }
 
   const float scale = rsqrtf(float(Dh));
-  float qr[GM][8], acc[GM][8], m[GM], l[GM];
+  float qr[GM][8];  // phase A: this lane's 8 dims of every head's query
 #pragma unroll
-  for (int g = 0; g < GM; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
+  for (int g = 0; g < GM; ++g)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      qr[g][i] = g < G ? q[(size_t(t) * H + kvh * G + g) * Dh + part * 8 + i] * scale : 0.f;
-      acc[g][i] = 0.f;
-    }
-  }
-  // Shared memory: the K and V tiles during the key loop, then the warps' results (sacc).
-  constexpr int kSmemWords = 2 * kTileElems / 2 > kWarpsPerBlock * GM * kAttnMaxDh ? 2 * kTileElems / 2
-                                                                                   : kWarpsPerBlock * GM * kAttnMaxDh;
-  __shared__ __align__(16) float smem[kSmemWords];
-  uint4* ktile = reinterpret_cast<uint4*>(smem);
-  uint4* vtile = ktile + kTileElems / 8;
+    for (int i = 0; i < 8; ++i) qr[g][i] = g < G ? q[(size_t(t) * H + kvh * G + g) * Dh + part * 8 + i] * scale : 0.f;
+
+  // Phase C's work split: item it = (kp, g, c), c fastest (neighbouring lanes read neighbouring
+  // 16 bytes of a V row: no bank conflicts) = head g, dims 8c..8c+7, keys kp, kp + KP, ...
+  const int GL = G * L, KP = max(1, kThreads / GL), items = GL * KP;
+  constexpr int NI = GM * 32 / kThreads > 0 ? (GM * 32 + kThreads - 1) / kThreads : 1;  // items per thread at most
+  float acc[NI][8];
+#pragma unroll
+  for (int n_ = 0; n_ < NI; ++n_)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[n_][i] = 0.f;
+
+  __shared__ __align__(16) uint4 ktile[kTileElems / 8], vtile[kTileElems / 8];
+  __shared__ float S[GM][kMaxTile];               // scores, then probabilities
+  __shared__ float mrun[GM], lrun[GM], corr[GM];  // online softmax state per head
+  if (threadIdx.x < GM) mrun[threadIdx.x] = -INFINITY, lrun[threadIdx.x] = 0.f;
+
   for (int t0 = start; t0 < end; t0 += tile) {
     const int nk = min(tile, end - t0);
     __syncthreads();  // the previous tile is consumed
@@ -108,79 +111,88 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_decode_kernel(
       }
     }
     __syncthreads();
-    // The loop bound is the same for the whole warp (the shuffles need every lane); a slot past
-    // the tile's end computes nothing.
+    // (A) scores: L lanes per key, all heads at once (independent shuffle chains).
     for (int base = warp * slots; base < nk; base += kWarpsPerBlock * slots) {
       const int j = base + sub;
-      const bool valid = j < nk;
-      float kf[8] = {}, vf[8] = {};
-      if (valid) {
-        unpack8(ktile[j * L + part], kf);
-        unpack8(vtile[j * L + part], vf);
-      }
+      float kf[8] = {};
+      if (j < nk) unpack8(ktile[j * L + part], kf);
+      float sc[GM];
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
-        if (g >= G) break;
-        float sc = 0.f;
+        sc[g] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sc = fmaf(qr[g][i], kf[i], sc);
-        for (int o = L / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-        if (!valid) continue;
-        const float m_new = fmaxf(m[g], sc);
-        const float corr = m[g] == -INFINITY ? 0.f : expf(m[g] - m_new), p = expf(sc - m_new);
-        l[g] = l[g] * corr + p;
+        for (int i = 0; i < 8; ++i) sc[g] = fmaf(qr[g][i], kf[i], sc[g]);
+      }
+      for (int o = L / 2; o > 0; o >>= 1)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i] * corr);
-        m[g] = m_new;
+        for (int g = 0; g < GM; ++g) sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], o);
+      if (j < nk && part == 0)
+#pragma unroll
+        for (int g = 0; g < GM; ++g) S[g][j] = sc[g];
+    }
+    __syncthreads();
+    // (B) per head: tile max, probabilities, sum; the correction of what came before.
+    for (int g = warp; g < G; g += kWarpsPerBlock) {
+      float mx = -INFINITY;
+      for (int j = lane; j < nk; j += 32) mx = fmaxf(mx, S[g][j]);
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_old = mrun[g], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int j = lane; j < nk; j += 32) {
+        const float p = expf(S[g][j] - m_new);
+        S[g][j] = p;
+        sum += p;
+      }
+      sum = warp_sum_f(sum);
+      if (lane == 0) {
+        const float c = m_old == -INFINITY ? 0.f : expf(m_old - m_new);
+        corr[g] = c;
+        lrun[g] = lrun[g] * c + sum;
+        mrun[g] = m_new;
       }
     }
-  }
-  // Merge the key slots of a warp (lanes with the same `part`), then the warps in shared memory.
+    __syncthreads();
+    // (C) acc = acc * corr + sum over this thread's keys of p * V.
 #pragma unroll
-  for (int g = 0; g < GM; ++g) {
-    if (g >= G) break;
-    for (int o = L; o < 32; o <<= 1) {
-      float acco[8];
-      const float mo = __shfl_xor_sync(0xffffffffu, m[g], o), lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+    for (int n_ = 0; n_ < NI; ++n_) {
+      const int it = threadIdx.x + n_ * kThreads;
+      if (it >= items) break;
+      const int kp = it / GL, g = (it % GL) / L, c = it % L;
+      const float cg = corr[g];
+      float a[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acco[i] = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-      merge<GM>(m[g], l[g], acc[g], mo, lo, acco);
+      for (int i = 0; i < 8; ++i) a[i] = acc[n_][i] * cg;
+      for (int j = kp; j < nk; j += KP) {
+        float vf[8];
+        unpack8(vtile[j * L + c], vf);
+        const float p = S[g][j];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[i] = fmaf(p, vf[i], a[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[n_][i] = a[i];
     }
   }
-  __shared__ float sm[kWarpsPerBlock][GM], sl[kWarpsPerBlock][GM];
-  __shared__ bool is_last;
-  auto sacc = reinterpret_cast<float (*)[GM][kAttnMaxDh]>(smem);
-  __syncthreads();  // the tiles are consumed
-  if (sub == 0) {
+  // Sum the KP key subsets of each (g, c) through shared memory (the K tile's space), write the
+  // split's (max, sum, unnormalized acc) per head.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(ktile);  // [items][8] floats <= kTileElems / 2 floats
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-      if (g >= G) break;
-      if (part == 0) sm[warp][g] = m[g], sl[warp][g] = l[g];
+  for (int n_ = 0; n_ < NI; ++n_) {
+    const int it = threadIdx.x + n_ * kThreads;
+    if (it >= items) break;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sacc[warp][g][part * 8 + i] = acc[g][i];
-    }
+    for (int i = 0; i < 8; ++i) red[it * 8 + i] = acc[n_][i];
   }
   __syncthreads();
-  for (int g = 0; g < G; ++g) {
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarpsPerBlock; ++w) M = fmaxf(M, sm[w][g]);
+  __shared__ bool is_last;
+  for (int i = threadIdx.x; i < G * Dh; i += blockDim.x) {
+    const int g = i / Dh, d = i % Dh, c = d / 8;
+    float a = 0.f;
+    for (int kp = 0; kp < KP; ++kp) a += red[(kp * GL + g * L + c) * 8 + d % 8];
     float* dst = partial + ((size_t(t) * H + kvh * G + g) * n_splits + s) * (Dh + 2);
-    for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-      float a = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarpsPerBlock; ++w)
-        if (sm[w][g] != -INFINITY) a += sacc[w][g][d] * expf(sm[w][g] - M);
-      dst[2 + d] = a;
-    }
-    if (threadIdx.x == 0) {
-      float Ls = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarpsPerBlock; ++w)
-        if (sm[w][g] != -INFINITY) Ls += sl[w][g] * expf(sm[w][g] - M);
-      dst[0] = M;
-      dst[1] = Ls;
-    }
+    dst[2 + d] = a;
+    if (d == 0) dst[0] = mrun[g], dst[1] = lrun[g];
   }
 
   // The last split block of (t, kvh) combines all splits.
@@ -194,32 +206,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_decode_kernel(
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // One warp per query head; lane c holds dims 2c, 2c+1 (and 2c+64, ... for Dh > 64), loads
-  // of all splits issued back to back (8 at a time) to hide the L2 latency.
+  // The heads' maxima first (one warp per head), then every thread on (head, pair of dims) items,
+  // loads of 8 splits in flight at a time to hide the L2 latency.
+  __shared__ float Mh[GM];
   for (int g = warp; g < G; g += kWarpsPerBlock) {
     const float* p = partial + (size_t(t) * H + kvh * G + g) * n_splits * (Dh + 2);
     float M = -INFINITY;
     for (int i = lane; i < n_splits; i += 32) M = fmaxf(M, __ldcg(p + size_t(i) * (Dh + 2)));
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    for (int c0 = 0; c0 < Dh / 2; c0 += 32) {
-      const int c = c0 + lane;
-      if (c >= Dh / 2) break;
-      float2 a = make_float2(0.f, 0.f);
-      float Lsum = 0.f;
+    if (lane == 0) Mh[g] = M;
+  }
+  __syncthreads();
+  for (int it = threadIdx.x; it < G * Dh / 2; it += blockDim.x) {
+    const int g = it / (Dh / 2), c = it % (Dh / 2);
+    const float* p = partial + (size_t(t) * H + kvh * G + g) * n_splits * (Dh + 2);
+    const float M = Mh[g];
+    float2 a = make_float2(0.f, 0.f);
+    float Lsum = 0.f;
 #pragma unroll 8
-      for (int i = 0; i < n_splits; ++i) {
-        const float* pi = p + size_t(i) * (Dh + 2);
-        const float ms = __ldcg(pi), ls = __ldcg(pi + 1);
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(pi + 2) + c);
-        const float w = ms == -INFINITY ? 0.f : expf(ms - M);
-        Lsum = fmaf(ls, w, Lsum);
-        a.x = fmaf(v.x, w, a.x);
-        a.y = fmaf(v.y, w, a.y);
-      }
-      float* o = out + (size_t(t) * H + kvh * G + g) * Dh + 2 * c;
-      o[0] = a.x / Lsum;
-      o[1] = a.y / Lsum;
+    for (int i = 0; i < n_splits; ++i) {
+      const float* pi = p + size_t(i) * (Dh + 2);
+      const float ms = __ldcg(pi), ls = __ldcg(pi + 1);
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(pi + 2) + c);
+      const float w = ms == -INFINITY ? 0.f : expf(ms - M);
+      Lsum = fmaf(ls, w, Lsum);
+      a.x = fmaf(v.x, w, a.x);
+      a.y = fmaf(v.y, w, a.y);
     }
+    float* o = out + (size_t(t) * H + kvh * G + g) * Dh + 2 * c;
+    o[0] = a.x / Lsum;
+    o[1] = a.y / Lsum;
   }
 }
 

@@ -194,6 +194,9 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
     if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;  // for A/B timing
+    // For A/B timing of the fused MoE layer: the unfused path (norm, router GEMV, top-k kernel,
+    // then every expert as cuBLAS GEMMs with the routing weight as a row mask) at every T.
+    if (const char* e = std::getenv("TIERMOE_CUDA_MOE"); e && std::strcmp(e, "unfused") == 0) moe_unfused_ = true;
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
@@ -294,6 +297,7 @@ class CudaBackend final : public Backend {
   int32_t *ids_, *pos_, *topk_;
   unsigned* split_counters_;  // attention_decode's, zero between launches
   unsigned* route_counter_;   // moe_route's, likewise
+  bool moe_unfused_ = false;   // TIERMOE_CUDA_MOE=unfused
   bool decode_attention_ = true;
   bf16 *xb_, *actb_;
   size_t partial_cap_ = 0;
@@ -467,7 +471,8 @@ void CudaBackend::mlp(const DLinear& gu, const DLinear& down, int T, float* out,
 
 void CudaBackend::moe(const DLayer& L, int T) {
   const int D = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.top_k, F = cfg_.expert_ffn;
-  if (T <= cuda::kGemvMaxT) {  // norm, router and top-k in one launch; h_, ids and weights stay on the device
+  const bool fused = T <= cuda::kGemvMaxT && !moe_unfused_;
+  if (fused && cuda::gemv_norm_fits(T, D)) {  // norm, router, top-k in one launch, all on the device
     CUDA_CK(cuda::moe_route(h_, router_, topk_, wts_, route_counter_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T,
                             E, K, D, cfg_.norm_topk_prob, stream_));
   } else {
@@ -475,7 +480,7 @@ void CudaBackend::moe(const DLayer& L, int T) {
     linear(router_, h_, L.router, T, false);                                                 // [T, E]
     CUDA_CK(cuda::route_topk(topk_, wts_, router_, T, E, K, cfg_.norm_topk_prob, stream_));  // [T, K]
   }
-  if (T <= cuda::kGemvMaxT) {
+  if (fused) {
     CUDA_CK(cuda::moe_gate_up(act_, h_, L.experts_gu, topk_, T, K, F, D, stream_));          // [T, K, F]
     CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_));      // x += ...
   } else {
@@ -502,9 +507,12 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
-    if (T <= cuda::kGemvMaxT) {  // the attention norm folded into the q/k/v GEMV
+    if (T <= cuda::kGemvMaxT && cuda::gemv_norm_fits(T, D)) {  // the attention norm folded into the q/k/v GEMV
       CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_,
                           L.attn_norm, eps));
+    } else if (T <= cuda::kGemvMaxT) {
+      CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
+      CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, h_, T, D, stream_));
     } else {
       CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
       linear(q_, h_, L.q, T, false);
@@ -553,7 +561,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                                 cudaMemcpyDeviceToDevice, stream_));
       row += p.n_logits;
     }
-    if (n_logits <= cuda::kGemvMaxT) {  // the final norm folded into the LM head's GEMV
+    if (n_logits <= cuda::kGemvMaxT && cuda::gemv_norm_fits(n_logits, D)) {  // the final norm folded into the LM head
       CUDA_CK(cuda::gemv(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, false, stream_, final_norm_, eps));
     } else {
       CUDA_CK(cuda::rmsnorm(h_, h_, final_norm_, n_logits, D, eps, stream_));

@@ -40,23 +40,19 @@ __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
   return s;
 }
 
-// dot8() of w with rmsnorm(x) = x * inv * nw, computed element by element as rmsnorm() does, so a
-// GEMV with its input norm folded in gives the same bits as rmsnorm() followed by the GEMV.
-__device__ __forceinline__ float dot8_norm(const uint4& w, const float* x, const float* nw, float inv) {
-  float xn[8];
-  const float4 a = *reinterpret_cast<const float4*>(x), b = *reinterpret_cast<const float4*>(x + 4);
-  const float4 c = *reinterpret_cast<const float4*>(nw), d = *reinterpret_cast<const float4*>(nw + 4);
-  xn[0] = a.x * inv * c.x, xn[1] = a.y * inv * c.y, xn[2] = a.z * inv * c.z, xn[3] = a.w * inv * c.w;
-  xn[4] = b.x * inv * d.x, xn[5] = b.y * inv * d.y, xn[6] = b.z * inv * d.z, xn[7] = b.w * inv * d.w;
-  return dot8(w, xn);
-}
-
 __device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// Asks L2 for a weight row w[K] (one 128-byte line per lane and step), before a block's norm
+// prologue, so that the row streams in while the norm is computed.
+__device__ __forceinline__ void prefetch_row_l2(const bf16* w, int K, int lane) {
+  for (int i = lane * 64; i < K; i += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + i));
+}
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 constexpr int kWarps = 8;  // rows per block in the GEMV-style kernels
 constexpr int kMoeMaxK = 8;  // moe_down's fast path: top-k at most this
+constexpr int kNormSmemBytes = kGemvNormMaxFloats * 4;
 
 __global__ void embed_kernel(float* x, const bf16* table, const int32_t* ids, int D) {
   const int t = blockIdx.x;
@@ -153,31 +149,34 @@ __global__ void to_bf16_kernel(__nv_bfloat16* y, const float* x, size_t n) {
 
 // One warp computes output row n of y[T, N] = x[T, K] W[N, K]^T; TT accumulators (T <= TT),
 // the weight row read once for all T rows of x.
-// Per row t of x[T, K]: inv[t] = 1 / sqrt(mean(x_t^2) + eps), the whole block on each row (x is
-// in L2: one round of loads), into shared memory. Every thread of the block must call it.
-__device__ void block_inv_rms(float* inv, const float* __restrict__ x, int T, int K, float eps) {
+// xs[T, K] (shared memory) = rmsnorm(x[T, K]) * nw[K], computed as rmsnorm() does; the whole block
+// on each row (x is small and in L2: one round of loads). Every thread of the block must call it.
+__device__ void block_norm_to_smem(float* xs, const float* __restrict__ x, const float* __restrict__ nw, int T, int K,
+                                   float eps) {
   __shared__ float part[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (int t = 0; t < T; ++t) {
     float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) ss = fmaf(x[size_t(t) * K + i], x[size_t(t) * K + i], ss);
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float v = x[size_t(t) * K + i];
+      xs[t * K + i] = v;
+      ss = fmaf(v, v, ss);
+    }
     ss = warp_sum(ss);
     if (lane == 0) part[warp] = ss;
     __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.f;
-      for (int w = 0; w < warps; ++w) total += part[w];
-      inv[t] = 1.0f / sqrtf(total / float(K) + eps);
-    }
-    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += part[w];
+    const float inv = 1.0f / sqrtf(total / float(K) + eps);
+    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[t * K + i] = xs[t * K + i] * inv * nw[i];
+    __syncthreads();  // xs complete; part free for the next row
   }
 }
 
-// NORM: x is used as rmsnorm(x) with weights nw[K] and the rows' inv (block_inv_rms).
-template <int TT, bool NORM = false>
+template <int TT>
 __device__ __forceinline__ void gemv_row(float* __restrict__ y, const float* __restrict__ x,
                                          const bf16* __restrict__ W, int T, int N, int K, bool accumulate, int n,
-                                         int lane, const float* __restrict__ nw = nullptr, const float* inv = nullptr) {
+                                         int lane) {
   const bf16* w = W + size_t(n) * K;
   float acc[TT];
 #pragma unroll
@@ -189,17 +188,14 @@ __device__ __forceinline__ void gemv_row(float* __restrict__ y, const float* __r
       const uint4 wv = ldg16(w + 8 * i);
 #pragma unroll
       for (int t = 0; t < TT; ++t)
-        if (t < T) {
-          if constexpr (NORM) acc[t] += dot8_norm(wv, x + size_t(t) * K + 8 * i, nw + 8 * i, inv[t]);
-          else acc[t] += dot8(wv, x + size_t(t) * K + 8 * i);
-        }
+        if (t < T) acc[t] += dot8(wv, x + size_t(t) * K + 8 * i);
     }
   } else {
     for (int i = lane; i < K; i += 32) {
       const float wv = bf(w[i]);
 #pragma unroll
       for (int t = 0; t < TT; ++t)
-        if (t < T) acc[t] = fmaf(wv, NORM ? x[size_t(t) * K + i] * inv[t] * nw[i] : x[size_t(t) * K + i], acc[t]);
+        if (t < T) acc[t] = fmaf(wv, x[size_t(t) * K + i], acc[t]);
     }
   }
 #pragma unroll
@@ -217,10 +213,14 @@ template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
                                                            bool accumulate, const float* __restrict__ nw, float eps) {
-  __shared__ float inv[kGemvMaxT];
-  if constexpr (NORM) block_inv_rms(inv, x, T, K, eps);
+  extern __shared__ float4 xs4[];  // NORM: rmsnorm(x), T * K floats
+  float* xs = reinterpret_cast<float*>(xs4);
   const int n = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (n < N) gemv_row<TT, NORM>(y, x, W, T, N, K, accumulate, n, threadIdx.x & 31, nw, inv);
+  if constexpr (NORM) {
+    if (n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
+    block_norm_to_smem(xs, x, nw, T, K, eps);
+  }
+  if (n < N) gemv_row<TT>(y, NORM ? xs : x, W, T, N, K, accumulate, n, threadIdx.x & 31);
 }
 
 // Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
@@ -234,8 +234,8 @@ struct GemvSegs {
 template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
                                                             int K, const float* __restrict__ nw, float eps) {
-  __shared__ float inv[kGemvMaxT];
-  if constexpr (NORM) block_inv_rms(inv, x, T, K, eps);
+  extern __shared__ float4 xs4[];  // NORM: rmsnorm(x), T * K floats
+  float* xs = reinterpret_cast<float*>(xs4);
   const int b = blockIdx.x;
   const int s = b < segs.end_block[0] ? 0 : (b < segs.end_block[1] ? 1 : 2);
   const int first = s == 0 ? 0 : (s == 1 ? segs.end_block[0] : segs.end_block[1]);
@@ -244,7 +244,11 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
   const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
   const int n = (b - first) * kWarps + (threadIdx.x >> 5);
-  if (n < N) gemv_row<TT, NORM>(y, x, W, T, N, K, false, n, threadIdx.x & 31, nw, inv);
+  if constexpr (NORM) {
+    if (n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
+    block_norm_to_smem(xs, x, nw, T, K, eps);
+  }
+  if (n < N) gemv_row<TT>(y, NORM ? xs : x, W, T, N, K, false, n, threadIdx.x & 31);
 }
 
 // One warp routes one token: l[E] -> ids[K], weights[K]. Each lane holds experts lane, lane+32, ...
@@ -316,13 +320,15 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
                                                                 const float* __restrict__ nw, float eps,
                                                                 const bf16* __restrict__ Wr, int T, int E, int K,
                                                                 int D, bool renormalize) {
-  __shared__ float inv[kGemvMaxT];
+  extern __shared__ float4 xs4[];  // rmsnorm(x), T * D floats
+  float* xs = reinterpret_cast<float*>(xs4);
   __shared__ bool is_last;
-  block_inv_rms(inv, x, T, D, eps);
-  if (blockIdx.x == 0)
-    for (int i = threadIdx.x; i < T * D; i += blockDim.x) h[i] = x[i] * inv[i / D] * nw[i % D];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, e = blockIdx.x * kWarps + warp;
-  if (e < E) gemv_row<TT, true>(logits, x, Wr, T, E, D, false, e, lane, nw, inv);
+  if (e < E) prefetch_row_l2(Wr + size_t(e) * D, D, lane);
+  block_norm_to_smem(xs, x, nw, T, D, eps);
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < T * D; i += blockDim.x) h[i] = xs[i];
+  if (e < E) gemv_row<TT>(logits, xs, Wr, T, E, D, false, e, lane);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -604,45 +610,64 @@ cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+// Kernels that stage rmsnorm(x) in dynamic shared memory may take up to kNormSmemBytes of it (set
+// per kernel; a host call, not a stream operation, so allowed while a graph is captured).
+template <class Kernel>
+cudaError_t allow_norm_smem(Kernel* k) {
+  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kNormSmemBytes);
+}
+
 template <int TT>
-void launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
-                 float eps, cudaStream_t s) {
+cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
+                        float eps, cudaStream_t s) {
   const unsigned grid = unsigned((N + kWarps - 1) / kWarps);
-  if (nw) gemv_kernel<TT, true><<<grid, kWarps * 32, 0, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
-  else gemv_kernel<TT, false><<<grid, kWarps * 32, 0, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
+  if (!nw) {
+    gemv_kernel<TT, false><<<grid, kWarps * 32, 0, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
+    return cudaSuccess;
+  }
+  if (const cudaError_t e = allow_norm_smem(gemv_kernel<TT, true>); e != cudaSuccess) return e;
+  gemv_kernel<TT, true><<<grid, kWarps * 32, size_t(T) * K * 4, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
+  return cudaSuccess;
 }
 
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
                  const float* norm_w, float eps) {
-  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
-  if (T == 1) launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  else if (T == 2) launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  else if (T <= 4) launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  else launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  return cudaGetLastError();
+  if (T <= 0 || T > kGemvMaxT || (norm_w && !gemv_norm_fits(T, K))) return cudaErrorInvalidValue;
+  cudaError_t e;
+  if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
+  else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
+  else if (T <= 4) e = launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
+  else e = launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 
 template <int TT>
-void launch_gemv3(const GemvSegs& g, int blocks, const float* x, int T, int K, const float* nw, float eps,
-                  cudaStream_t s) {
-  if (nw) gemv3_kernel<TT, true><<<blocks, kWarps * 32, 0, s>>>(g, x, T, K, nw, eps);
-  else gemv3_kernel<TT, false><<<blocks, kWarps * 32, 0, s>>>(g, x, T, K, nw, eps);
+cudaError_t launch_gemv3(const GemvSegs& g, int blocks, const float* x, int T, int K, const float* nw, float eps,
+                         cudaStream_t s) {
+  if (!nw) {
+    gemv3_kernel<TT, false><<<blocks, kWarps * 32, 0, s>>>(g, x, T, K, nw, eps);
+    return cudaSuccess;
+  }
+  if (const cudaError_t e = allow_norm_smem(gemv3_kernel<TT, true>); e != cudaSuccess) return e;
+  gemv3_kernel<TT, true><<<blocks, kWarps * 32, size_t(T) * K * 4, s>>>(g, x, T, K, nw, eps);
+  return cudaSuccess;
 }
 
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
                   int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w, float eps) {
-  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (T <= 0 || T > kGemvMaxT || (norm_w && !gemv_norm_fits(T, K))) return cudaErrorInvalidValue;
   GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}};
   int end = 0;
   for (int i = 0; i < 3; ++i) {
     end += (g.N[i] + kWarps - 1) / kWarps;
     g.end_block[i] = end;
   }
-  if (T == 1) launch_gemv3<1>(g, end, x, T, K, norm_w, eps, s);
-  else if (T == 2) launch_gemv3<2>(g, end, x, T, K, norm_w, eps, s);
-  else if (T <= 4) launch_gemv3<4>(g, end, x, T, K, norm_w, eps, s);
-  else launch_gemv3<8>(g, end, x, T, K, norm_w, eps, s);
-  return cudaGetLastError();
+  cudaError_t e;
+  if (T == 1) e = launch_gemv3<1>(g, end, x, T, K, norm_w, eps, s);
+  else if (T == 2) e = launch_gemv3<2>(g, end, x, T, K, norm_w, eps, s);
+  else if (T <= 4) e = launch_gemv3<4>(g, end, x, T, K, norm_w, eps, s);
+  else e = launch_gemv3<8>(g, end, x, T, K, norm_w, eps, s);
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 
 cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
@@ -656,15 +681,22 @@ cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T,
 cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, unsigned* counter, const float* x,
                       const float* norm_w, float eps, const bf16* Wr, int T, int E, int K, int D, bool renormalize,
                       cudaStream_t s) {
-  if (E > kRouteMaxE || K > 32 || K > E || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (E > kRouteMaxE || K > 32 || K > E || T > kGemvMaxT || !gemv_norm_fits(T, D)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   const unsigned grid = unsigned((E + kWarps - 1) / kWarps);
   const int th = kWarps * 32;
-  if (T == 1) moe_route_kernel<1><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
-  else if (T == 2) moe_route_kernel<2><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
-  else if (T <= 4) moe_route_kernel<4><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
-  else moe_route_kernel<8><<<grid, th, 0, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D, renormalize);
-  return cudaGetLastError();
+  const size_t smem = size_t(T) * D * 4;
+  cudaError_t e;
+#define TIERMOE_MOE_ROUTE(TT)                                                                                      \
+  if ((e = allow_norm_smem(moe_route_kernel<TT>)) == cudaSuccess)                                                  \
+    moe_route_kernel<TT><<<grid, th, smem, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D,  \
+                                                renormalize);
+  if (T == 1) { TIERMOE_MOE_ROUTE(1) }
+  else if (T == 2) { TIERMOE_MOE_ROUTE(2) }
+  else if (T <= 4) { TIERMOE_MOE_ROUTE(4) }
+  else { TIERMOE_MOE_ROUTE(8) }
+#undef TIERMOE_MOE_ROUTE
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 
 cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int F, int D,

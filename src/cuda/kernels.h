@@ -17,6 +17,10 @@ using bf16 = uint16_t;  // BF16 bits in device memory
 constexpr int kGemvMaxT = 8;      // gemv() handles T <= this; larger T goes to cuBLAS
 constexpr int kRouteMaxE = 256;   // route_topk(): experts per token at most
 constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
+// gemv()/gemv3()/moe_route() with an input norm stage rmsnorm(x[T, K]) in shared memory: T * K
+// floats at most.
+constexpr int kGemvNormMaxFloats = 16384;
+constexpr bool gemv_norm_fits(int T, int K) { return size_t(T) * size_t(K) <= size_t(kGemvNormMaxFloats); }
 
 // x[T, D] = table[ids[t], D]                                   twin: the CPU embedding copy
 cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s);
@@ -46,7 +50,7 @@ cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s);
 
 // y[T, N] (= or +=) x[T, K] @ W[N, K]^T for T <= kGemvMaxT: memory-bound GEMV, one warp per
 // output row, 16-byte weight loads when K % 8 == 0. With norm_w, x is used as rmsnorm(x, norm_w,
-// eps), the norm recomputed by every block (x is small, in L2).
+// eps), recomputed by every block into shared memory (x is small, in L2); needs gemv_norm_fits(T, K).
 //                                                                twin: matmul / matmul_add
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
                  const float* norm_w = nullptr, float eps = 0.f);
@@ -60,7 +64,8 @@ cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, 
 cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
                        cudaStream_t s);
 
-// The router of a small-batch MoE layer in one launch, T <= kGemvMaxT: h[T, D] = rmsnorm(x, norm_w),
+// The router of a small-batch MoE layer in one launch, T <= kGemvMaxT and gemv_norm_fits(T, D):
+// h[T, D] = rmsnorm(x, norm_w),
 // logits[T, E] = h Wr^T, then route_topk() on them by the last block to finish (counter: one
 // unsigned, zero before the first launch, left zero).  twin: rmsnorm + matmul + route_softmax_topk
 cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, unsigned* counter, const float* x,
