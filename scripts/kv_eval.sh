@@ -20,6 +20,8 @@ NEEDLE_TRIALS=${NEEDLE_TRIALS:-9}
 CONFIGS=${CONFIGS:-"bf16 fp8 kivi4 kivi2 hadamard3 hadamard2 oskvp rvq-tiers default default@post-rope default@offline default@M1024 default@archive-only rvq-tiers@M1024 rvq-tiers@archive-only"}
 NEEDLE_CONFIGS=${NEEDLE_CONFIGS:-$CONFIGS}
 mkdir -p "$OUT"
+# The commit of the sources when the run starts (the binary should be built from them).
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+local changes)')"
 [ -f "$MODEL/model-00001-of-00007.safetensors" ] || scripts/unpack_model.sh
 
 # name@variant -> a --kv-config file
@@ -61,8 +63,8 @@ jobs_list() {
 jobs_list | xargs -P "$JOBS" -I{} sh -c '{}'
 {
   echo "machine: $(uname -m), $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+local changes)')"
+  echo "commit: $COMMIT"
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
-  echo "command: WINDOWS=$WINDOWS NEEDLE=$NEEDLE NEEDLE_TRIALS=$NEEDLE_TRIALS NEEDLE_CONFIGS=\"$NEEDLE_CONFIGS\" scripts/kv_eval.sh"
+  echo "command: WINDOWS=$WINDOWS NEEDLE=$NEEDLE NEEDLE_TRIALS=$NEEDLE_TRIALS CONFIGS=\"$CONFIGS\" NEEDLE_CONFIGS=\"$NEEDLE_CONFIGS\" scripts/kv_eval.sh"
 } > "$OUT/meta.txt"
 python3 scripts/kv_table.py "$OUT"

@@ -24,8 +24,17 @@ for f in sorted(glob.glob(os.path.join(out, "*.ppl.json"))):
 def fmt(x, d=3):
     return "-" if x is None else f"{x:.{d}f}"
 
-lines = ["| config | bits/value K | V | overall | + metadata | KV bytes vs BF16 | middle K/V bits | archive K/V bits (tokens) | ppl | ppl increase | KL vs BF16 | top-1 agree | needle |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+# Per-window spread of the increase, against the bf16 row's per-window NLL (same windows).
+ref_w = next((r["p"].get("window_nll") for r in rows if r["name"] == "bf16"), None)
+def spread(p):
+    w = p.get("window_nll")
+    if not ref_w or not w or len(w) != len(ref_w) or len(w) < 2:
+        return "-"
+    inc = [100 * (math.exp(a - b) - 1) for a, b in zip(w, ref_w)]
+    return f"{min(inc):+.2f}..{max(inc):+.2f}%"
+
+lines = ["| config | bits/value K | V | overall | + metadata | KV bytes vs BF16 | middle K/V bits | archive K/V bits (tokens) | ppl | ppl increase | per window | KL vs BF16 | top-1 agree | needle |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 order = lambda r: -r["p"]["bits_per_value"]
 for r in sorted(rows, key=order):
     p, t = r["p"], r["tiers"]
@@ -39,7 +48,7 @@ for r in sorted(rows, key=order):
     inc = p.get("ppl_increase")
     lines.append(f"| {r['name']} | {fmt(p['bits_per_value_k'],2)} | {fmt(p['bits_per_value_v'],2)} | {fmt(p['bits_per_value'],2)} | "
                  f"{fmt(p['bits_per_value_with_metadata'],2)} | {fmt(p['kv_bytes_ratio'],2)}x | {midb} | {arcb} | {fmt(p['ppl'],4)} | "
-                 f"{'-' if inc is None else f'{100*inc:+.2f}%'} | {fmt(p.get('kl_vs_ref'),4)} | {fmt(p.get('top1_agreement'),3)} | {needle} |")
+                 f"{'-' if inc is None else f'{100*inc:+.2f}%'} | {spread(p)} | {fmt(p.get('kl_vs_ref'),4)} | {fmt(p.get('top1_agreement'),3)} | {needle} |")
 meta = open(os.path.join(out, "meta.txt")).read() if os.path.exists(os.path.join(out, "meta.txt")) else ""
 if rows:
     ref = rows[0]["p"].get("ref_ppl")
