@@ -51,37 +51,28 @@ PY
   done
   exit 0
 fi
-if [ "$MODE" = moe ]; then  # the fused MoE layer against the unfused one, same binary, one run
+rows() {  # one line per JSON result in $1
+  python3 - "$1" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print(f"{j['config']:30s} {j.get('moe', ''):8s} B={j['batch']:2d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s")
+PY
+}
+if [ "$MODE" = moe ] || [ "$MODE" = batch ]; then
+  # moe: the fused MoE layer against the unfused one (same binary, one run), B = 1 and 8;
+  # batch: B streams, one token each per step (forward_batch). ctx 1024 each.
+  if [ "$MODE" = moe ]; then sizes="1 8"; variants="fused unfused"; gen=64; else sizes="8 32 64"; variants=fused; gen=16; fi
   for cfg in olmoe-1b-7b-v8192.json qwen3-30b-a3b-L16-v8192.json; do
-    for B in 1 8; do
-      for moe in fused unfused; do
-        log "moe $cfg B=$B $moe"
-        timeout 100 env TIERMOE_CUDA_MOE=$moe $C bench --config configs/$cfg --ctx 1024 --gen 64 --repeats 2 --batch $B |
-          sed "s/^{/{\"moe\":\"$moe\",/" | tee -a "$OUT/moe.jsonl"
+    for B in $sizes; do
+      for moe in $variants; do
+        log "$MODE $cfg B=$B $moe"
+        timeout 100 env TIERMOE_CUDA_MOE=$moe $C bench --config configs/$cfg --ctx 1024 --gen $gen --repeats 2 --batch $B |
+          sed "s/^{/{\"moe\":\"$moe\",/" >> "$OUT/$MODE.jsonl"
       done
     done
   done
-  python3 - "$OUT/moe.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    j = json.loads(line)
-    print(f"{j['config']:30s} {j['moe']:8s} B={j['batch']:2d} ctx {j['prompt_tokens']}  p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s")
-PY
-  exit 0
-fi
-if [ "$MODE" = batch ]; then  # B streams, one token each per step (forward_batch), ctx 1024 each
-  for cfg in olmoe-1b-7b-v8192.json qwen3-30b-a3b-L16-v8192.json; do
-    for B in 1 8 32 64; do
-      log "batch $cfg B=$B"
-      timeout 100 $C bench --config configs/$cfg --ctx 1024 --gen 32 --repeats 2 --batch $B | tee -a "$OUT/batch.jsonl"
-    done
-  done
-  python3 - "$OUT/batch.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    j = json.loads(line)
-    print(f"{j['config']:30s} B={j['batch']:3d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s")
-PY
+  rows "$OUT/$MODE.jsonl"
   exit 0
 fi
 bench() {  # config-or-model ctx gen repeats [env]

@@ -14,6 +14,8 @@
 
 #include "cuda/kernels.h"
 
+#include "cuda/dependent_launch.cuh"
+
 namespace tiermoe::cuda {
 namespace {
 
@@ -48,6 +50,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* __restrict__ kc, bf16* __restrict__ vc, const float* __restrict__ k_new,
     const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv, int Dh) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
   const int G = H / Hkv, L = Dh / 8, slots = 32 / L, tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
@@ -248,15 +252,9 @@ cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, con
   if (T == 0) return cudaSuccess;
   const dim3 grid(Hkv, n_splits, T);
   const int G = H / Hkv, threads = kWarpsPerBlock * 32;
-  if (G == 1)
-    attention_decode_kernel<1><<<grid, threads, 0, s>>>(out, partial, counters, q, kc, vc, k_new, v_new, pos, H, Hkv, Dh);
-  else if (G == 2)
-    attention_decode_kernel<2><<<grid, threads, 0, s>>>(out, partial, counters, q, kc, vc, k_new, v_new, pos, H, Hkv, Dh);
-  else if (G <= 4)
-    attention_decode_kernel<4><<<grid, threads, 0, s>>>(out, partial, counters, q, kc, vc, k_new, v_new, pos, H, Hkv, Dh);
-  else
-    attention_decode_kernel<8><<<grid, threads, 0, s>>>(out, partial, counters, q, kc, vc, k_new, v_new, pos, H, Hkv, Dh);
-  return cudaGetLastError();
+  auto* kernel = G == 1 ? attention_decode_kernel<1>
+                        : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
+  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, k_new, v_new, pos, H, Hkv, Dh);
 }
 
 bool attention_decode_supported(int H, int Hkv, int Dh) {

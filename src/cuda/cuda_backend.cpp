@@ -197,6 +197,8 @@ class CudaBackend final : public Backend {
     // For A/B timing of the fused MoE layer: the unfused path (norm, router GEMV, top-k kernel,
     // then every expert as cuBLAS GEMMs with the routing weight as a row mask) at every T.
     if (const char* e = std::getenv("TIERMOE_CUDA_MOE"); e && std::strcmp(e, "unfused") == 0) moe_unfused_ = true;
+    // Programmatic dependent launch of the decode kernels (A/B: not yet the default).
+    if (const char* e = std::getenv("TIERMOE_CUDA_PDL"); e && e[0] == '1') cuda::set_programmatic_launch(true);
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");

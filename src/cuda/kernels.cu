@@ -2,6 +2,8 @@
 // (large-T matrix products go to cuBLAS).
 #include "cuda/kernels.h"
 
+#include "cuda/dependent_launch.cuh"
+
 #include <cfloat>
 #include <climits>
 #include <algorithm>
@@ -84,6 +86,8 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
 // A thread per rotated pair where the block allows. RMSNorm over the segment, then RoPE, in place.
 __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const float* kn, bool full,
                                     const int32_t* pos, int H, int Hkv, int Dh, float eps, float theta) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int seg = blockIdx.x, t = blockIdx.y, half = Dh / 2;
   const int q_segs = full ? 1 : H;
   const bool is_q = seg < q_segs;
@@ -216,10 +220,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y
   extern __shared__ float4 xs4[];  // NORM: rmsnorm(x), T * K floats
   float* xs = reinterpret_cast<float*>(xs4);
   const int n = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if constexpr (NORM) {
-    if (n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
-    block_norm_to_smem(xs, x, nw, T, K, eps);
-  }
+  if (n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
+  pdl_wait();
+  pdl_launch_dependents();
+  if constexpr (NORM) block_norm_to_smem(xs, x, nw, T, K, eps);
   if (n < N) gemv_row<TT>(y, NORM ? xs : x, W, T, N, K, accumulate, n, threadIdx.x & 31);
 }
 
@@ -244,10 +248,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
   const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
   const int n = (b - first) * kWarps + (threadIdx.x >> 5);
-  if constexpr (NORM) {
-    if (n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
-    block_norm_to_smem(xs, x, nw, T, K, eps);
-  }
+  if (n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
+  pdl_wait();
+  pdl_launch_dependents();
+  if constexpr (NORM) block_norm_to_smem(xs, x, nw, T, K, eps);
   if (n < N) gemv_row<TT>(y, NORM ? xs : x, W, T, N, K, false, n, threadIdx.x & 31);
 }
 
@@ -325,6 +329,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
   __shared__ bool is_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, e = blockIdx.x * kWarps + warp;
   if (e < E) prefetch_row_l2(Wr + size_t(e) * D, D, lane);
+  pdl_wait();
+  pdl_launch_dependents();
   block_norm_to_smem(xs, x, nw, T, D, eps);
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < T * D; i += blockDim.x) h[i] = xs[i];
@@ -346,6 +352,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restrict__ act, const float* __restrict__ h,
                                                                   const bf16* __restrict__ Wgu,
                                                                   const int32_t* __restrict__ ids, int K, int F, int D) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int f = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int tk = blockIdx.y, t = tk / K;
@@ -379,6 +387,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_down_kernel(float* __restrict
                                                                const int32_t* __restrict__ ids,
                                                                const float* __restrict__ weights, int K, int D,
                                                                int F) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int d = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int t = blockIdx.y;
@@ -559,7 +569,12 @@ unsigned grid_for(size_t n, int threads = 256) {
   return unsigned(b < 4096 ? (b > 0 ? b : 1) : 4096);
 }
 
+bool g_programmatic_launch = false;
+
 }  // namespace
+
+bool programmatic_launch() { return g_programmatic_launch; }
+void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 
 cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
@@ -581,8 +596,7 @@ cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k
   full = full && q_norm;
   const int segs = full ? 2 : H + Hkv, pairs = (full ? H : 1) * Dh / 2;
   const int threads = std::min(1024, std::max(32, (pairs + 31) / 32 * 32));
-  qk_norm_rope_kernel<<<dim3(segs, T), threads, 0, s>>>(q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta);
-  return cudaGetLastError();
+  return launch(qk_norm_rope_kernel, dim3(segs, T), threads, 0, s, q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta);
 }
 
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s) {
@@ -621,13 +635,9 @@ template <int TT>
 cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
                         float eps, cudaStream_t s) {
   const unsigned grid = unsigned((N + kWarps - 1) / kWarps);
-  if (!nw) {
-    gemv_kernel<TT, false><<<grid, kWarps * 32, 0, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
-    return cudaSuccess;
-  }
+  if (!nw) return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps);
   if (const cudaError_t e = allow_norm_smem(gemv_kernel<TT, true>); e != cudaSuccess) return e;
-  gemv_kernel<TT, true><<<grid, kWarps * 32, size_t(T) * K * 4, s>>>(y, x, W, T, N, K, accumulate, nw, eps);
-  return cudaSuccess;
+  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, size_t(T) * K * 4, s, y, x, W, T, N, K, accumulate, nw, eps);
 }
 
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
@@ -644,13 +654,9 @@ cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, b
 template <int TT>
 cudaError_t launch_gemv3(const GemvSegs& g, int blocks, const float* x, int T, int K, const float* nw, float eps,
                          cudaStream_t s) {
-  if (!nw) {
-    gemv3_kernel<TT, false><<<blocks, kWarps * 32, 0, s>>>(g, x, T, K, nw, eps);
-    return cudaSuccess;
-  }
+  if (!nw) return launch(gemv3_kernel<TT, false>, blocks, kWarps * 32, 0, s, g, x, T, K, nw, eps);
   if (const cudaError_t e = allow_norm_smem(gemv3_kernel<TT, true>); e != cudaSuccess) return e;
-  gemv3_kernel<TT, true><<<blocks, kWarps * 32, size_t(T) * K * 4, s>>>(g, x, T, K, nw, eps);
-  return cudaSuccess;
+  return launch(gemv3_kernel<TT, true>, blocks, kWarps * 32, size_t(T) * K * 4, s, g, x, T, K, nw, eps);
 }
 
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
@@ -689,8 +695,8 @@ cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, uns
   cudaError_t e;
 #define TIERMOE_MOE_ROUTE(TT)                                                                                      \
   if ((e = allow_norm_smem(moe_route_kernel<TT>)) == cudaSuccess)                                                  \
-    moe_route_kernel<TT><<<grid, th, smem, s>>>(h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, D,  \
-                                                renormalize);
+    e = launch(moe_route_kernel<TT>, grid, th, smem, s, h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, \
+               D, renormalize);
   if (T == 1) { TIERMOE_MOE_ROUTE(1) }
   else if (T == 2) { TIERMOE_MOE_ROUTE(2) }
   else if (T <= 4) { TIERMOE_MOE_ROUTE(4) }
@@ -702,15 +708,14 @@ cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, uns
 cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int F, int D,
                         cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  moe_gate_up_kernel<<<dim3((F + kWarps - 1) / kWarps, T * K), kWarps * 32, 0, s>>>(act, h, Wgu, ids, K, F, D);
-  return cudaGetLastError();
+  return launch(moe_gate_up_kernel, dim3((F + kWarps - 1) / kWarps, T * K), kWarps * 32, 0, s, act, h, Wgu, ids, K, F, D);
 }
 
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  moe_down_kernel<<<dim3((D + kWarps - 1) / kWarps, T), kWarps * 32, 0, s>>>(x, act, Wd, ids, weights, K, D, F);
-  return cudaGetLastError();
+  return launch(moe_down_kernel, dim3((D + kWarps - 1) / kWarps, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D,
+                F);
 }
 
 cudaError_t moe_act_masked(bf16* act, const float* gu, const int32_t* ids, const float* weights, int e, int T, int K,

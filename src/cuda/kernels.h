@@ -22,6 +22,10 @@ constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
 constexpr int kGemvNormMaxFloats = 16384;
 constexpr bool gemv_norm_fits(int T, int K) { return size_t(T) * size_t(K) <= size_t(kGemvNormMaxFloats); }
 
+// Programmatic dependent launch for the decode kernels (gemv, gemv3, qk_norm_rope,
+// attention_decode, moe_route, moe_gate_up, moe_down): see dependent_launch.cuh. Off by default.
+void set_programmatic_launch(bool on);
+
 // x[T, D] = table[ids[t], D]                                   twin: the CPU embedding copy
 cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s);
 
