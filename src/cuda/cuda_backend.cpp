@@ -194,9 +194,14 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
     if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;  // for A/B timing
-    // For A/B timing of the fused MoE layer: the unfused path (norm, router GEMV, top-k kernel,
-    // then every expert as cuBLAS GEMMs with the routing weight as a row mask) at every T.
-    if (const char* e = std::getenv("TIERMOE_CUDA_MOE"); e && std::strcmp(e, "unfused") == 0) moe_unfused_ = true;
+    // For A/B timing of the MoE kernels (see moe_mode_).
+    if (const char* e = std::getenv("TIERMOE_CUDA_MOE")) {
+      if (std::strcmp(e, "unfused") == 0) moe_mode_ = MoeMode::Unfused;
+      else if (std::strcmp(e, "fused") == 0) moe_mode_ = MoeMode::Fused;
+      else if (std::strcmp(e, "grouped") != 0)
+        throw InputError(std::string("TIERMOE_CUDA_MOE=") + e + ": expected grouped, fused or unfused");
+    }
+    if (const char* e = std::getenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T")) grouped_min_t_ = std::max(1, std::atoi(e));
     // Programmatic dependent launch of the decode kernels (A/B: not yet the default).
     if (const char* e = std::getenv("TIERMOE_CUDA_PDL"); e && e[0] == '1') cuda::set_programmatic_launch(true);
     int n_dev = 0;
@@ -299,7 +304,13 @@ class CudaBackend final : public Backend {
   int32_t *ids_, *pos_, *topk_;
   unsigned* split_counters_;  // attention_decode's, zero between launches
   unsigned* route_counter_;   // moe_route's, likewise
-  bool moe_unfused_ = false;   // TIERMOE_CUDA_MOE=unfused
+  // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
+  // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the masked cuBLAS path; Fused: the
+  // per-(token, k) kernels up to T = kGemvMaxT, then masked; Unfused: masked at every T.
+  enum class MoeMode { Grouped, Fused, Unfused } moe_mode_ = MoeMode::Fused;
+  int grouped_min_t_ = 2;  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels
+  static constexpr int kMoeGroupedMaxT = 64;
+  float* moe_y_ = nullptr;  // grouped down projection, [min(Tm, kMoeGroupedMaxT) * K, D]
   bool decode_attention_ = true;
   bf16 *xb_, *actb_;
   size_t partial_cap_ = 0;
@@ -331,7 +342,9 @@ void CudaBackend::alloc_workspace() {
   k_ = dalloc<float>(owned_, size_t(Tm) * Hkv * Dh);
   v_ = dalloc<float>(owned_, size_t(Tm) * Hkv * Dh);
   gu_ = dalloc<float>(owned_, size_t(Tm) * 2 * F);
-  act_ = dalloc<float>(owned_, std::max(size_t(Tm) * F, size_t(cuda::kGemvMaxT) * K * F));
+  const size_t moe_rows = size_t(std::max(std::min(Tm, kMoeGroupedMaxT), cuda::kGemvMaxT)) * K;  // (t, k) rows
+  act_ = dalloc<float>(owned_, std::max(size_t(Tm) * F, moe_rows * F));
+  moe_y_ = dalloc<float>(owned_, moe_rows * D);
   router_ = dalloc<float>(owned_, size_t(Tm) * E);
   wts_ = dalloc<float>(owned_, size_t(Tm) * K);
   topk_ = dalloc<int32_t>(owned_, size_t(Tm) * K);
@@ -473,8 +486,11 @@ void CudaBackend::mlp(const DLinear& gu, const DLinear& down, int T, float* out,
 
 void CudaBackend::moe(const DLayer& L, int T) {
   const int D = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.top_k, F = cfg_.expert_ffn;
-  const bool fused = T <= cuda::kGemvMaxT && !moe_unfused_;
-  if (fused && cuda::gemv_norm_fits(T, D)) {  // norm, router, top-k in one launch, all on the device
+  const bool grouped = moe_mode_ == MoeMode::Grouped && T >= grouped_min_t_ && T <= kMoeGroupedMaxT &&
+                       T * K <= cuda::kMoeGroupedMaxTK;
+  const bool fused = !grouped && T <= cuda::kGemvMaxT && moe_mode_ != MoeMode::Unfused;
+  if ((fused || grouped) && T <= cuda::kGemvMaxT && cuda::gemv_norm_fits(T, D)) {
+    // norm, router, top-k in one launch, all on the device
     CUDA_CK(cuda::moe_route(h_, router_, topk_, wts_, route_counter_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T,
                             E, K, D, cfg_.norm_topk_prob, stream_));
   } else {
@@ -482,13 +498,17 @@ void CudaBackend::moe(const DLayer& L, int T) {
     linear(router_, h_, L.router, T, false);                                                 // [T, E]
     CUDA_CK(cuda::route_topk(topk_, wts_, router_, T, E, K, cfg_.norm_topk_prob, stream_));  // [T, K]
   }
-  if (fused) {
+  if (grouped) {  // each selected expert's rows read once for all its tokens
+    CUDA_CK(cuda::moe_grouped_gate_up(act_, h_, L.experts_gu, topk_, T, K, E, F, D, stream_));   // [T * K, F]
+    CUDA_CK(cuda::moe_grouped_down(moe_y_, act_, L.experts_down, topk_, T, K, E, D, F, stream_));  // [T * K, D]
+    CUDA_CK(cuda::moe_combine(x_, moe_y_, wts_, T, K, D, stream_));                                // x += ...
+  } else if (fused) {
     CUDA_CK(cuda::moe_gate_up(act_, h_, L.experts_gu, topk_, T, K, F, D, stream_));          // [T, K, F]
     CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_));      // x += ...
   } else {
     // Prompt chunks: every expert over every token with the routing weight as a row mask (0 for
     // tokens that did not pick it) -- E/K times the needed FLOPs, but no host sync and all
-    // tensor-core GEMMs. Grouping tokens per expert (grouped GEMM) is the next step.
+    // tensor-core GEMMs. A grouped tensor-core GEMM is the next step.
     CUDA_CK(cuda::to_bf16(xb_, h_, size_t(T) * D, stream_));
     for (int e = 0; e < E; ++e) {
       gemm(gu_, xb_, L.experts_gu + size_t(e) * 2 * F * D, T, 2 * F, D, false);

@@ -3,6 +3,7 @@
 #include "cuda/kernels.h"
 
 #include "cuda/dependent_launch.cuh"
+#include "cuda/device_math.cuh"
 
 #include <cfloat>
 #include <climits>
@@ -14,43 +15,11 @@
 namespace tiermoe::cuda {
 namespace {
 
-__device__ __forceinline__ float bf(bf16 h) { return __uint_as_float(uint32_t(h) << 16); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// 8 BF16 packed in a uint4 -> dot with 8 consecutive floats of x (16-byte aligned).
-__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
-  const float4 a = *reinterpret_cast<const float4*>(x);
-  const float4 b = *reinterpret_cast<const float4*>(x + 4);
-  float s = __uint_as_float(w.x << 16) * a.x;
-  s = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, s);
-  s = fmaf(__uint_as_float(w.y << 16), a.z, s);
-  s = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, s);
-  s = fmaf(__uint_as_float(w.z << 16), b.x, s);
-  s = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, s);
-  s = fmaf(__uint_as_float(w.w << 16), b.z, s);
-  s = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, s);
-  return s;
-}
-
-__device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
 // Asks L2 for a weight row w[K] (one 128-byte line per lane and step), before a block's norm
 // prologue, so that the row streams in while the norm is computed.
 __device__ __forceinline__ void prefetch_row_l2(const bf16* w, int K, int lane) {
   for (int i = lane * 64; i < K; i += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + i));
 }
-
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 constexpr int kWarps = 8;  // rows per block in the GEMV-style kernels
 constexpr int kMoeMaxK = 8;  // moe_down's fast path: top-k at most this

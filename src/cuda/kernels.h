@@ -84,6 +84,21 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s);
 
+// Grouped MoE for decode batches (moe_grouped.cu), T * K <= kMoeGroupedMaxTK: each expert's rows
+// are read once for all the tokens that picked it (one block per (expert, row tile), which finds
+// its tokens in ids[T, K] itself; experts nobody picked cost an empty block). Deterministic.
+//   moe_grouped_gate_up: act[T * K, F] = silu(Wgu[e, 0:F] h_t) * (Wgu[e, F:2F] h_t), e = ids[t, k]
+//   moe_grouped_down:    y[T * K, D] = Wd[e] act[t * K + k]   (unweighted; Wd[E, D, F])
+//   moe_combine:         x[T, D] += sum_k weights[t, k] * y[t * K + k]   (k in order)
+// twin: the CPU MoE (per (t, k) expert MLP, weighted sum, residual add). ids outside [0, E) match no expert (their rows
+// of act / y are left unwritten).
+constexpr int kMoeGroupedMaxTK = 512;
+cudaError_t moe_grouped_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int E,
+                                int F, int D, cudaStream_t s);
+cudaError_t moe_grouped_down(float* y, const float* act, const bf16* Wd, const int32_t* ids, int T, int K, int E,
+                             int D, int F, cudaStream_t s);
+cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, int K, int D, cudaStream_t s);
+
 // Large-batch MoE helper, for expert e: act[T, F] = bf16(silu(gu[t, 0:F]) * gu[t, F:2F] * w_te),
 // w_te the routing weight of e for token t (0 when t did not pick e).
 cudaError_t moe_act_masked(bf16* act, const float* gu, const int32_t* ids, const float* weights, int e, int T, int K,

@@ -288,54 +288,101 @@ void check_moe_route() {
   }
 }
 
-void check_moe() {
-  struct C { int T, E, K, D, F; };
-  for (C c : {C{1, 8, 2, 64, 32}, C{3, 256, 8, 48, 8}, C{1, 128, 8, 2048, 768}, C{2, 16, 4, 100, 36}, C{8, 64, 8, 64, 32},
-              C{1, 8, 2, 4096, 1024}}) {
-    auto h = randn(size_t(c.T) * c.D), gu = randn(size_t(c.E) * 2 * c.F * c.D, 0.05f),
-         dn = randn(size_t(c.E) * c.D * c.F, 0.05f), x0 = randn(size_t(c.T) * c.D);
-    auto gub = bf16_of(gu), dnb = bf16_of(dn);
-    std::vector<int32_t> ids(size_t(c.T) * c.K);
-    std::vector<float> w(ids.size());
-    for (int t = 0; t < c.T; ++t) {
-      auto lg = randn(c.E);
-      route_softmax_topk(lg.data(), c.E, c.K, true, ids.data() + t * c.K, w.data() + t * c.K);
-    }
-    // CPU twin: per (t, k) the expert MLP with the CPU matmul, weighted sum, residual add.
-    std::vector<float> ref = x0, g(c.F), u(c.F), a(c.F), y(c.D);
-    for (int t = 0; t < c.T; ++t)
-      for (int k = 0; k < c.K; ++k) {
-        const int e = ids[t * c.K + k];
-        const uint16_t* wg = gub.data() + size_t(e) * 2 * c.F * c.D;
-        matmul(g.data(), h.data() + t * c.D, wg, DType::BF16, 1, c.F, c.D);
-        matmul(u.data(), h.data() + t * c.D, wg + size_t(c.F) * c.D, DType::BF16, 1, c.F, c.D);
-        silu_mul(a.data(), g.data(), u.data(), 1, c.F);
-        matmul(y.data(), a.data(), dnb.data() + size_t(e) * c.D * c.F, DType::BF16, 1, c.D, c.F);
-        for (int d = 0; d < c.D; ++d) ref[t * c.D + d] += w[t * c.K + k] * y[d];
-      }
-    Dev<float> dh(h), dx(x0), dact(size_t(c.T) * c.K * c.F), dwt(w);
-    Dev<uint16_t> dgu(gub), ddn(dnb);
-    Dev<int32_t> di(ids);
-    CK(cu::moe_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.F, c.D, 0));
-    CK(cu::moe_down(dx.p, dact.p, ddn.p, di.p, dwt.p, c.T, c.K, c.D, c.F, 0));
-    const auto got = dx.get(), act1 = dact.get();
-    // Determinism: the same launch again on the same inputs must give the same bits.
-    Dev<float> dx2(x0);
-    dact.poison();
-    CK(cu::moe_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.F, c.D, 0));
-    CK(cu::moe_down(dx2.p, dact.p, ddn.p, di.p, dwt.p, c.T, c.K, c.D, c.F, 0));
-    const auto got2 = dx2.get(), act2 = dact.get();
-    const bool same = std::memcmp(got.data(), got2.data(), got.size() * 4) == 0 &&
-                      std::memcmp(act1.data(), act2.data(), act1.size() * 4) == 0;
-    // Where the error is, when there is one.
-    size_t worst_i = 0;
-    for (size_t i = 0; i < got.size(); ++i)
-      if (std::fabs(got[i] - ref[i]) > std::fabs(got[worst_i] - ref[worst_i])) worst_i = i;
-    report(fmt("moe_gate_up+moe_down T=%d E=%d K=%d D=%d F=%d", c.T, c.E, c.K, c.D, c.F), rel(got, ref), 1e-5,
-           fmt("rerun %s; worst at t=%zu d=%zu (%.5g vs %.5g)", same ? "bit-identical" : "DIFFERS", worst_i / c.D,
-               worst_i % c.D, got[worst_i], ref[worst_i]));
-    if (!same) ++g_fail;
+// One MoE layer's inputs (routing from the CPU's top-k; with same_experts every token gets the
+// same logits, so K experts hold all T tokens and the others none) and the CPU twin's output:
+// per (t, k) the expert MLP with the CPU matmul, weighted sum, residual add.
+struct MoeCase { int T, E, K, D, F; bool same_experts = false; };
+struct MoeData {
+  std::vector<float> h, x0, w, ref;
+  std::vector<uint16_t> gub, dnb;
+  std::vector<int32_t> ids;
+};
+MoeData moe_case(const MoeCase& c) {
+  MoeData m;
+  m.h = randn(size_t(c.T) * c.D);
+  m.gub = bf16_of(randn(size_t(c.E) * 2 * c.F * c.D, 0.05f));
+  m.dnb = bf16_of(randn(size_t(c.E) * c.D * c.F, 0.05f));
+  m.x0 = randn(size_t(c.T) * c.D);
+  m.ids.resize(size_t(c.T) * c.K);
+  m.w.resize(m.ids.size());
+  const auto same = randn(c.E);
+  for (int t = 0; t < c.T; ++t) {
+    const auto lg = c.same_experts ? same : randn(c.E);
+    route_softmax_topk(lg.data(), c.E, c.K, true, m.ids.data() + t * c.K, m.w.data() + t * c.K);
   }
+  m.ref = m.x0;
+  std::vector<float> g(c.F), u(c.F), a(c.F), y(c.D);
+  for (int t = 0; t < c.T; ++t)
+    for (int k = 0; k < c.K; ++k) {
+      const int e = m.ids[t * c.K + k];
+      const uint16_t* wg = m.gub.data() + size_t(e) * 2 * c.F * c.D;
+      matmul(g.data(), m.h.data() + t * c.D, wg, DType::BF16, 1, c.F, c.D);
+      matmul(u.data(), m.h.data() + t * c.D, wg + size_t(c.F) * c.D, DType::BF16, 1, c.F, c.D);
+      silu_mul(a.data(), g.data(), u.data(), 1, c.F);
+      matmul(y.data(), a.data(), m.dnb.data() + size_t(e) * c.D * c.F, DType::BF16, 1, c.D, c.F);
+      for (int d = 0; d < c.D; ++d) m.ref[t * c.D + d] += m.w[t * c.K + k] * y[d];
+    }
+  return m;
+}
+
+// Runs `layer` (x in place) twice from x0 on the same inputs: the error against the CPU twin and
+// whether the two runs gave the same bits; reports the worst element.
+template <class Layer>
+void report_moe(const std::string& name, const MoeCase& c, const MoeData& m, Layer layer) {
+  Dev<float> dx(m.x0), dx2(m.x0);
+  layer(dx.p);
+  layer(dx2.p);
+  const auto got = dx.get(), got2 = dx2.get();
+  const bool same = std::memcmp(got.data(), got2.data(), got.size() * 4) == 0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::fabs(got[i] - m.ref[i]) > std::fabs(got[worst_i] - m.ref[worst_i])) worst_i = i;
+  report(name, rel(got, m.ref), 1e-5,
+         fmt("rerun %s; worst at t=%zu d=%zu (%.5g vs %.5g)", same ? "bit-identical" : "DIFFERS", worst_i / c.D,
+             worst_i % c.D, got[worst_i], m.ref[worst_i]));
+  if (!same) ++g_fail;
+}
+
+void check_moe() {
+  for (MoeCase c : {MoeCase{1, 8, 2, 64, 32}, MoeCase{3, 256, 8, 48, 8}, MoeCase{1, 128, 8, 2048, 768},
+                    MoeCase{2, 16, 4, 100, 36}, MoeCase{8, 64, 8, 64, 32}, MoeCase{1, 8, 2, 4096, 1024}}) {
+    const MoeData m = moe_case(c);
+    Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dwt(m.w);
+    Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
+    Dev<int32_t> di(m.ids);
+    report_moe(fmt("moe_gate_up+moe_down T=%d E=%d K=%d D=%d F=%d", c.T, c.E, c.K, c.D, c.F), c, m, [&](float* x) {
+      dact.poison();
+      CK(cu::moe_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.F, c.D, 0));
+      CK(cu::moe_down(x, dact.p, ddn.p, di.p, dwt.p, c.T, c.K, c.D, c.F, 0));
+    });
+  }
+}
+
+// The grouped kernels: T up to 64, experts with many tokens (several passes of a token group),
+// with none, odd D and F (the scalar path).
+void check_moe_grouped() {
+  for (MoeCase c : {MoeCase{1, 8, 2, 64, 32}, MoeCase{2, 256, 8, 64, 40}, MoeCase{5, 16, 4, 100, 36},
+                    MoeCase{8, 64, 8, 512, 256}, MoeCase{17, 8, 2, 48, 24, true}, MoeCase{32, 128, 8, 256, 192},
+                    MoeCase{64, 32, 8, 1024, 512}, MoeCase{64, 8, 8, 64, 32}, MoeCase{64, 256, 8, 128, 96, true},
+                    MoeCase{40, 8, 2, 4096, 1024}, MoeCase{3, 1, 1, 33, 17}}) {
+    const MoeData m = moe_case(c);
+    Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dy(size_t(c.T) * c.K * c.D), dwt(m.w);
+    Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
+    Dev<int32_t> di(m.ids);
+    report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s", c.T, c.E, c.K, c.D, c.F, c.same_experts ? " same experts" : ""),
+               c, m, [&](float* x) {
+                 dact.poison(), dy.poison();
+                 CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
+                 CK(cu::moe_grouped_down(dy.p, dact.p, ddn.p, di.p, c.T, c.K, c.E, c.D, c.F, 0));
+                 CK(cu::moe_combine(x, dy.p, dwt.p, c.T, c.K, c.D, 0));
+               });
+  }
+  // Too many (token, k) entries for the shared routing list: refused, nothing launched.
+  const bool refused = cu::moe_grouped_gate_up(nullptr, nullptr, nullptr, nullptr, 65, 8, 64, 32, 64, 0) ==
+                           cudaErrorInvalidValue &&
+                       cu::moe_grouped_down(nullptr, nullptr, nullptr, nullptr, 65, 8, 64, 64, 32, 0) ==
+                           cudaErrorInvalidValue;
+  report("moe_grouped T=65 K=8 refused (T*K > 512)", refused ? 0.0 : 1.0, 0.0);
 }
 
 void check_attention() {
@@ -587,6 +634,7 @@ int main(int argc, char** argv) {
   check_route();
   check_moe_route();
   check_moe();
+  check_moe_grouped();
   check_attention();
   check_attention_decode();
   if (!kernels_only) {
