@@ -90,7 +90,7 @@ std::string ServerMetrics::render() const {
     std::lock_guard lock(mu_);
     gauge(out, "tiermoe_generation_tokens_per_second", "gauge", "Generated tokens per second, recent", tokens_per_second_);
     out += "# HELP tiermoe_kv_bytes KV cache bytes held by running sequences, per tier "
-           "(sink/window/middle/archive of the tiered cache, exact otherwise; all: the sum)\n"
+           "(sink/window/middle/archive of the tiered cache by their formats, exact otherwise; all: as allocated)\n"
            "# TYPE tiermoe_kv_bytes gauge\n";
     out += "tiermoe_kv_bytes{tier=\"all\"} " + num(double(kv_bytes_.count("all") ? kv_bytes_.at("all") : 0)) + "\n";
     for (const auto& [tier, bytes] : kv_bytes_)

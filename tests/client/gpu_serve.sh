@@ -1,0 +1,73 @@
+#!/bin/bash
+# tiermoe serve --backend cuda on a GPU machine that lacks the CLI's libraries (the lent H200:
+# Ubuntu 24.04, no ICU 72, no cpp-httplib, no Node). Two steps:
+#
+#   here:   bash tests/client/gpu_serve.sh prepare BUILD   # BUILD: a CUDA build of tiermoe, best
+#           configured with -DTIERMOE_NATIVE=OFF; fills build-srvdev/ (ignored, ~43 MB)
+#   there:  bash build-srvdev/gpu_serve.sh run            # carry build-srvdev; results in $OUT
+#
+# The working tree travels too: keep it small (models/tinymix-code/*.xz are not needed).
+# "run" checks greedy CUDA == CPU == transformers on the golden fixture mixtral_oldcfg (alone,
+# streamed, 8 at once; CUDA graphs on and off), the protocol (completions, chat, streaming,
+# errors, metrics) and a c=1/8/32 load on tinymix-code's shapes with --load-format dummy, with
+# gpu_client.py (standard-library Python: the machine has no Node).
+set -u
+if [ "${1:-}" = prepare ]; then
+  B=${2:?give the build directory}
+  D=build-srvdev
+  mkdir -p $D/lib $D/lib2
+  cp "$B/tiermoe" tests/client/gpu_serve.sh tests/client/gpu_client.py $D/
+  for l in libicuuc.so.72 libicudata.so.72 libcpp-httplib.so.0.11 libbrotlicommon.so.1 libbrotlidec.so.1 libbrotlienc.so.1; do
+    cp -L /lib/x86_64-linux-gnu/$l $D/lib/
+  done
+  for l in libssl.so.3 libcrypto.so.3; do cp -L /lib/x86_64-linux-gnu/$l $D/lib2/; done  # used only if missing there
+  du -sh $D
+  exit 0
+fi
+[ "${1:-}" = run ] || { echo "usage: $0 prepare BUILD | run" >&2; exit 2; }
+D=$(cd "$(dirname "$0")" && pwd)
+T=$D/tiermoe
+OUT=${OUT:-/tmp/gpu_serve}
+mkdir -p $OUT
+export LD_LIBRARY_PATH=$D/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
+if ldd $T | grep -q "not found"; then export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$D/lib2; fi
+exec > >(tee -a $OUT/log.txt) 2>&1
+date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
+ldd $T | grep -E "not found|icu|httplib|cuda|cublas|ssl"
+command -v node curl python3
+wait_listening() {  # $1: the server's log
+  for i in $(seq 1 240); do grep -q listening "$1" && return 0; sleep 0.5; done; cat "$1"; return 1; }
+
+# 1. A golden fixture (Mixtral-style, BF16 weights) with a tokenizer of its family.
+mkdir -p /tmp/fx && cp tests/fixtures/models/mixtral_oldcfg/* /tmp/fx/ && cp tests/fixtures/tokenizers/llama_style/tokenizer.json /tmp/fx/
+IDS=$(python3 -c "import json;print(','.join(map(str,json.load(open('/tmp/fx/reference.json'))['ids'])))")
+python3 -c "import json;print('transformers greedy', json.load(open('/tmp/fx/reference.json'))['greedy_ids'])" | tee $OUT/gen.txt
+for b in cuda cpu; do
+  echo "generate --backend $b:" | tee -a $OUT/gen.txt
+  $T generate --model /tmp/fx --backend $b $([ $b = cpu ] && echo --kv f32) --prompt-ids $IDS --greedy --json --max-tokens 16 | tee -a $OUT/gen.txt
+done
+for graphs in 1 0; do
+  TIERMOE_CUDA_GRAPHS=$graphs $T serve --model /tmp/fx --backend cuda --port 8101 > /tmp/s1.log 2>&1 &
+  P=$!
+  wait_listening /tmp/s1.log && { echo "serve fixture, graphs=$graphs:"; python3 $D/gpu_client.py ids http://127.0.0.1:8101 $IDS 16 8; } | tee -a $OUT/serve_fixture.txt
+  kill $P; wait $P
+done
+
+# 2. tinymix-code's shapes with random weights (--load-format dummy), its tokenizer and the
+#    ChatML template of the Qwen-style fixture: protocol, chat, streaming, load.
+mkdir -p /tmp/tm && cp models/tinymix-code/{config.json,generation_config.json,tokenizer.json} /tmp/tm/
+cp tests/fixtures/tokenizers/qwen_style/tokenizer_config.json /tmp/tm/
+$T serve --model /tmp/tm --backend cuda --load-format dummy --port 8102 > /tmp/s2.log 2>&1 &
+P=$!
+wait_listening /tmp/s2.log
+python3 $D/gpu_client.py smoke http://127.0.0.1:8102 > $OUT/smoke.json; echo "smoke rc=$?"
+if command -v curl >/dev/null; then
+  curl -sN http://127.0.0.1:8102/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":5,"stream":true}' > $OUT/curl_stream.txt
+fi
+python3 $D/gpu_client.py loadgen http://127.0.0.1:8102 1,8,32 > $OUT/loadgen.txt; echo "loadgen rc=$?"
+cat $OUT/loadgen.txt
+python3 -c "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8102/metrics').read().decode())" > $OUT/metrics.txt
+kill $P; wait $P; echo "serve exit=$?"
+tail -3 /tmp/s2.log
+date -u
