@@ -3,8 +3,9 @@
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
 #   scripts/gpu_check.sh [full|quick|benchonly|again|profile|batch]   (quick: no large published
 #   configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
-#   initcheck; profile: per-kernel times of one decode step under ncu; batch: B = 1, 8, 32, 64;
-#   moe: fused vs unfused MoE layer side by side)
+#   initcheck; profile: per-kernel times of one decode step under ncu; batch: the kernel table,
+#   then B = 1, 8, 32, 64 under the A/B variants in one process per config (batchtable), then the
+#   model checks; moe: fused vs unfused MoE layer side by side)
 # Binaries: ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and carried, when the
 # machine lacks the tokenizer's libraries), else built here with CMake.
 set -uo pipefail
@@ -20,7 +21,20 @@ if [ ! -x $C ]; then
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
-if [ "$MODE" != benchonly ]; then
+if [ "$MODE" = batch ]; then  # kernels first, the table, the models last (the longest part)
+  log kernels; timeout 60 $C --kernels-only 2>&1 | tee "$OUT/check.txt"
+  for cfg in olmoe-1b-7b-v8192.json qwen3-30b-a3b-L16-v8192.json; do
+    log "batchtable $cfg"; timeout 90 $C batchtable --config configs/$cfg --ctx ${CTX:-1024} --gen 16 | tee -a "$OUT/batch.jsonl"
+  done
+  python3 - "$OUT/batch.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print(f"{j['config']:30s} {j['variant']:20s} B={j['batch']:2d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_step_p50']:.3f} ms  p99 {j['ms_per_step_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s  tokens = first variant {j['tokens_equal_to_first_variant']}")
+PY
+  log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
+  grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
+elif [ "$MODE" != benchonly ]; then
   log check
   timeout 150 $C 2>&1 | tee "$OUT/check.txt"
 fi
@@ -59,10 +73,9 @@ for line in open(sys.argv[1]):
     print(f"{j['config']:30s} {j.get('moe', ''):8s} B={j['batch']:2d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s")
 PY
 }
-if [ "$MODE" = moe ] || [ "$MODE" = batch ]; then
-  # moe: the fused MoE layer against the unfused one (same binary, one run), B = 1 and 8;
-  # batch: B streams, one token each per step (forward_batch). ctx 1024 each.
-  if [ "$MODE" = moe ]; then sizes="1 8"; variants="fused unfused"; gen=64; else sizes="8 32 64"; variants=fused; gen=16; fi
+if [ "$MODE" = moe ]; then
+  # The fused MoE layer against the unfused one (same binary, one run), B = 1 and 8, ctx 1024.
+  sizes="1 8"; variants="fused unfused"; gen=64
   for cfg in olmoe-1b-7b-v8192.json qwen3-30b-a3b-L16-v8192.json; do
     for B in $sizes; do
       for moe in $variants; do

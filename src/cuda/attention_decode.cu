@@ -1,5 +1,6 @@
-// Decode attention (few new tokens of one sequence) in one launch: KV append, split-KV attention
-// and the combine of the splits. Declared in kernels.h; twin: kv_append + attention_causal.
+// Decode attention (few new tokens of one sequence, or one new token of each of B sequences) in one
+// launch: KV append, split-KV attention and the combine of the splits. Declared in kernels.h;
+// twin: kv_append + attention_causal (per sequence).
 //
 // Why one block per (KV head, key split): the G = H / Hkv query heads of a KV head share every K/V
 // row, so each row is read from memory once, not G times. A key row of Dh BF16 values is read by
@@ -48,22 +49,28 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 template <int GM>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
-    const float* __restrict__ q, bf16* __restrict__ kc, bf16* __restrict__ vc, const float* __restrict__ k_new,
-    const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv, int Dh) {
+    const float* __restrict__ q, bf16* kc, bf16* vc, bf16* const* __restrict__ kcs, bf16* const* __restrict__ vcs,
+    const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
+    int Dh) {
   pdl_wait();
   pdl_launch_dependents();
   const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
   const int G = H / Hkv, L = Dh / 8, slots = 32 / L, tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
-  const int first_new = pos[0], n = pos[t] + 1;
-  const int split_len = (pos[T - 1] + 1 + n_splits - 1) / n_splits;
+  // With kcs (one sequence per token): token t's own cache, its one new key at pos[t], its keys
+  // split n_splits ways; else all T tokens are new keys of one sequence at pos[0] ...
+  const bool per_seq = kcs != nullptr;
+  if (per_seq) kc = kcs[t], vc = vcs[t], k_new += size_t(t) * Hkv * Dh, v_new += size_t(t) * Hkv * Dh;
+  const int first_new = per_seq ? pos[t] : pos[0], n = pos[t] + 1;
+  const int split_len = ((per_seq ? pos[t] : pos[T - 1]) + 1 + n_splits - 1) / n_splits;
   const int start = s * split_len, end = min(n, start + split_len);
   const size_t row = size_t(Hkv) * Dh;
 
   // This block's KV head of token t's new row goes into the cache, if its key falls in this split.
   if (pos[t] >= start && pos[t] < start + split_len)
     for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
-      const size_t src = size_t(t) * row + size_t(kvh) * Dh + i, dst = size_t(pos[t]) * row + size_t(kvh) * Dh + i;
+      const size_t src = size_t(pos[t] - first_new) * row + size_t(kvh) * Dh + i;
+      const size_t dst = size_t(pos[t]) * row + size_t(kvh) * Dh + i;
       reinterpret_cast<__nv_bfloat16*>(kc)[dst] = __float2bfloat16_rn(k_new[src]);
       reinterpret_cast<__nv_bfloat16*>(vc)[dst] = __float2bfloat16_rn(v_new[src]);
     }
@@ -245,16 +252,34 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 
 }  // namespace
 
-cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
-                             const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
-                             unsigned* counters, cudaStream_t s) {
-  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || T > kGemvMaxT) return cudaErrorInvalidValue;
+namespace {
+cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, bf16* const* kcs, bf16* const* vcs,
+                                    const float* k_new, const float* v_new, const int32_t* pos, int T, int H, int Hkv,
+                                    int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
   const dim3 grid(Hkv, n_splits, T);
   const int G = H / Hkv, threads = kWarpsPerBlock * 32;
   auto* kernel = G == 1 ? attention_decode_kernel<1>
                         : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
-  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, k_new, v_new, pos, H, Hkv, Dh);
+  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, kcs, vcs, k_new, v_new, pos, H, Hkv, Dh);
+}
+}  // namespace
+
+cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
+                             const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
+                             unsigned* counters, cudaStream_t s) {
+  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  return launch_attention_decode(out, q, kc, vc, nullptr, nullptr, k_new, v_new, pos, T, H, Hkv, Dh, n_splits, partial,
+                                 counters, s);
+}
+
+cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs, bf16* const* vcs, const float* k_new,
+                                   const float* v_new, const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits,
+                                   float* partial, unsigned* counters, cudaStream_t s) {
+  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || B < 0 || B > 65535 || !kcs || !vcs)
+    return cudaErrorInvalidValue;
+  return launch_attention_decode(out, q, nullptr, nullptr, kcs, vcs, k_new, v_new, pos, B, H, Hkv, Dh, n_splits,
+                                 partial, counters, s);
 }
 
 bool attention_decode_supported(int H, int Hkv, int Dh) {

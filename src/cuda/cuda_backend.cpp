@@ -194,14 +194,7 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
     if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;  // for A/B timing
-    // For A/B timing of the MoE kernels (see moe_mode_).
-    if (const char* e = std::getenv("TIERMOE_CUDA_MOE")) {
-      if (std::strcmp(e, "unfused") == 0) moe_mode_ = MoeMode::Unfused;
-      else if (std::strcmp(e, "fused") == 0) moe_mode_ = MoeMode::Fused;
-      else if (std::strcmp(e, "grouped") != 0)
-        throw InputError(std::string("TIERMOE_CUDA_MOE=") + e + ": expected grouped, fused or unfused");
-    }
-    if (const char* e = std::getenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T")) grouped_min_t_ = std::max(1, std::atoi(e));
+    read_switches();
     // Programmatic dependent launch of the decode kernels (A/B: not yet the default).
     if (const char* e = std::getenv("TIERMOE_CUDA_PDL"); e && e[0] == '1') cuda::set_programmatic_launch(true);
     int n_dev = 0;
@@ -220,6 +213,7 @@ class CudaBackend final : public Backend {
     cudaFreeHost(h_ids_);
     cudaFreeHost(h_pos_);
     cudaFreeHost(h_logits_);
+    cudaFreeHost(h_kv_ptrs_);
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
   }
@@ -280,6 +274,7 @@ class CudaBackend final : public Backend {
   }
 
   void alloc_workspace();
+  void read_switches();
   void forward_pass(const std::vector<SeqStep>& pieces, float* logits);
   void run_layers(const std::vector<Piece>& pieces, int T, int n_logits);
   void linear(float* y, const float* x, const DLinear& W, int T, bool accumulate);
@@ -304,13 +299,23 @@ class CudaBackend final : public Backend {
   int32_t *ids_, *pos_, *topk_;
   unsigned* split_counters_;  // attention_decode's, zero between launches
   unsigned* route_counter_;   // moe_route's, likewise
-  // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
+  // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped: T = 1 the per-(token, k) kernels,
   // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the masked cuBLAS path; Fused: the
   // per-(token, k) kernels up to T = kGemvMaxT, then masked; Unfused: masked at every T.
-  enum class MoeMode { Grouped, Fused, Unfused } moe_mode_ = MoeMode::Fused;
+  enum class MoeMode { Grouped, Fused, Unfused };
+  // The defaults: what passed the GPU check (docs/cuda.md).
+  static constexpr MoeMode kDefaultMoe = MoeMode::Fused;
+  static constexpr bool kDefaultBatchAttention = false;
+  MoeMode moe_mode_ = kDefaultMoe;
   int grouped_min_t_ = 2;  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels
   static constexpr int kMoeGroupedMaxT = 64;
   float* moe_y_ = nullptr;  // grouped down projection, [min(Tm, kMoeGroupedMaxT) * K, D]
+  // One attention launch for B sequences of one token each (TIERMOE_CUDA_BATCH_ATTN=1; 0: one per
+  // sequence): their caches' rows, per layer [K pointers of the B sequences, V pointers], on the
+  // device and pinned on the host; the split count of the pass (0: attention per piece).
+  bool batch_attention_ = kDefaultBatchAttention;
+  bf16 **kv_ptrs_ = nullptr, **h_kv_ptrs_ = nullptr;
+  int batch_splits_ = 0;
   bool decode_attention_ = true;
   bf16 *xb_, *actb_;
   size_t partial_cap_ = 0;
@@ -329,6 +334,30 @@ class CudaBackend final : public Backend {
   };
   std::map<GraphKey, cudaGraphExec_t> graphs_;
 };
+
+// The A/B switches of the MoE kernels and the batched attention, read at every pass (a few
+// getenv calls) so that one process can time the variants side by side (tiermoe_cuda_check
+// batchtable); a change drops the captured graphs.
+void CudaBackend::read_switches() {
+  MoeMode mode = kDefaultMoe;
+  if (const char* e = std::getenv("TIERMOE_CUDA_MOE")) {
+    if (std::strcmp(e, "unfused") == 0) mode = MoeMode::Unfused;
+    else if (std::strcmp(e, "grouped") == 0) mode = MoeMode::Grouped;
+    else if (std::strcmp(e, "fused") == 0) mode = MoeMode::Fused;
+    else throw InputError(std::string("TIERMOE_CUDA_MOE=") + e + ": expected grouped, fused or unfused");
+  }
+  const char* min_t = std::getenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T");
+  const int grouped_min_t = min_t ? std::max(1, std::atoi(min_t)) : 2;
+  const char* ba = std::getenv("TIERMOE_CUDA_BATCH_ATTN");
+  const bool batch_attention = ba ? ba[0] == '1' : kDefaultBatchAttention;
+  if (mode != moe_mode_ || grouped_min_t != grouped_min_t_) {
+    for (auto& [key, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
+    graphs_.clear();
+  }
+  moe_mode_ = mode;
+  grouped_min_t_ = grouped_min_t;
+  batch_attention_ = batch_attention;
+}
 
 void CudaBackend::alloc_workspace() {
   const int Tm = opts_.max_chunk, D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads,
@@ -359,8 +388,11 @@ void CudaBackend::alloc_workspace() {
   partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
                  H * (Dh + 2);
   partial_ = dalloc<float>(owned_, partial_cap_);
-  split_counters_ = dalloc<unsigned>(owned_, size_t(cuda::kGemvMaxT) * Hkv);
-  CUDA_CK(cudaMemset(split_counters_, 0, size_t(cuda::kGemvMaxT) * Hkv * sizeof(unsigned)));
+  const size_t n_counters = size_t(std::max(Tm, cuda::kGemvMaxT)) * Hkv;  // (token, KV head)
+  split_counters_ = dalloc<unsigned>(owned_, n_counters);
+  CUDA_CK(cudaMemset(split_counters_, 0, n_counters * sizeof(unsigned)));
+  kv_ptrs_ = dalloc<bf16*>(owned_, size_t(cfg_.num_layers) * 2 * Tm);
+  CUDA_CK(cudaMallocHost(&h_kv_ptrs_, size_t(cfg_.num_layers) * 2 * Tm * sizeof(bf16*)));
   route_counter_ = dalloc<unsigned>(owned_, 1);
   CUDA_CK(cudaMemset(route_counter_, 0, sizeof(unsigned)));
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
@@ -553,7 +585,11 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     }
     CUDA_CK(cuda::qk_norm_rope(q_, k_, L.q_norm, L.k_norm, cfg_.qk_norm == QkNorm::Full, pos_, T, H, Hkv, Dh, eps,
                                cfg_.rope_theta, stream_));
-    for (size_t t = 0; const Piece& p : pieces) {
+    const size_t B = pieces.size();
+    if (batch_splits_ > 0) {  // B sequences, one token each: one launch
+      CUDA_CK(cuda::attention_decode_batch(att_, q_, kv_ptrs_ + l * 2 * B, kv_ptrs_ + (l * 2 + 1) * B, k_, v_, pos_,
+                                           int(B), H, Hkv, Dh, batch_splits_, partial_, split_counters_, stream_));
+    } else for (size_t t = 0; const Piece& p : pieces) {
       if (p.n <= cuda::kGemvMaxT && decode_attention_) {  // append + attention + combine in one launch
         CUDA_CK(cuda::attention_decode(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l),
                                        k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n, H, Hkv, Dh, p.n_splits,
@@ -593,6 +629,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
 }
 
 void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits) {
+  read_switches();
   int T = 0, n_logits = 0;
   std::vector<Piece> pieces;
   for (const SeqStep& s : steps) {
@@ -631,6 +668,22 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
   }
   CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+  batch_splits_ = 0;
+  const int B = int(pieces.size());
+  if (B > 1 && T == B && decode_attention_ && batch_attention_) {  // one token per sequence
+    int splits = 0;
+    for (const Piece& p : pieces) splits = std::max(splits, p.n_splits);
+    if (size_t(B) * cfg_.num_heads * splits * (cfg_.head_dim + 2) <= partial_cap_) {
+      batch_splits_ = splits;
+      for (int l = 0; l < cfg_.num_layers; ++l)
+        for (int b = 0; b < B; ++b) {
+          h_kv_ptrs_[(size_t(l) * 2) * B + b] = pieces[b].cache->k(l);
+          h_kv_ptrs_[(size_t(l) * 2 + 1) * B + b] = pieces[b].cache->v(l);
+        }
+      CUDA_CK(cudaMemcpyAsync(kv_ptrs_, h_kv_ptrs_, size_t(cfg_.num_layers) * 2 * B * sizeof(bf16*),
+                              cudaMemcpyHostToDevice, stream_));
+    }
+  }
 
   const bool graph = opts_.use_graphs && pieces.size() == 1 && T == 1;
   if (graph) {

@@ -124,7 +124,15 @@ cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc
 cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
                              const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                              unsigned* counters, cudaStream_t s);
-// attention_decode() handles H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
+// The same for B sequences with one new token each, in one launch: token b's cache rows are
+// kcs[b] / vcs[b] (DEVICE arrays of B device pointers), its position pos[b]; each sequence's keys
+// are cut into n_splits splits (n_splits for the longest: shorter ones get shorter splits).
+// partial[B, H, n_splits, Dh + 2]; counters[B * Hkv] as above.   twin: per sequence, kv_append +
+// attention_causal
+cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs, bf16* const* vcs, const float* k_new,
+                                   const float* v_new, const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits,
+                                   float* partial, unsigned* counters, cudaStream_t s);
+// attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
 bool attention_decode_supported(int H, int Hkv, int Dh);
 
 // w[n] = uniform(-scale, scale) from a counter hash of (seed, i); for dummy weights.

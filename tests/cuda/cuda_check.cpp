@@ -6,10 +6,13 @@
 //     and tinymix's long-context logits vs the transformers reference;
 //  3. a GEMV bandwidth figure.
 // Prints one line per case and a summary; exit status 1 when any case fails.
-// Usage: tiermoe_cuda_check [--kernels-only]
+// Usage: tiermoe_cuda_check [--kernels-only | --models-only]
 //        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R] [--batch B]
 //   the same measurement and JSON as `tiermoe bench --backend cuda [--load-format dummy]`, for
 //   machines without the CLI's tokenizer libraries.
+//        tiermoe_cuda_check batchtable --config FILE [--ctx C] [--gen N] [--batches 1,8,32,64]
+//   decode steps of B streams under the A/B variants (before / grouped MoE / + batched attention)
+//   over the same prefilled caches, one JSON line per (B, variant).
 //        tiermoe_cuda_check profile --config FILE [--ctx C]
 //   one decode step after a C-token prompt inside cudaProfilerStart/Stop, for
 //   `ncu --profile-from-start off` (the per-kernel time breakdown of a step).
@@ -461,6 +464,66 @@ void check_attention_decode() {
   }
 }
 
+// B sequences of different lengths, one new token each, in one launch; per sequence the CPU twin
+// and its cache rows exact.
+void check_attention_decode_batch() {
+  struct C { std::vector<int> pasts; int H, Hkv, Dh, n_splits; };
+  std::vector<int> many(64);
+  for (int b = 0; b < 64; ++b) many[b] = int(rng() % 1100);  // OLMoE-like B = 64 at ~ctx 1024
+  many[5] = 0;
+  for (const C& c : {C{{0, 1000, 63}, 32, 4, 128, 16}, C{{4095, 17, 300, 2, 900, 64, 1, 2047}, 8, 4, 64, 32},
+                     C{many, 16, 4, 128, 32}, C{{5, 9000}, 8, 1, 256, 72}, C{{33, 7, 100}, 12, 2, 16, 3}}) {
+    const int B = int(c.pasts.size()), row = c.Hkv * c.Dh;
+    auto q = randn(size_t(B) * c.H * c.Dh), knew = randn(size_t(B) * row), vnew = randn(size_t(B) * row);
+    std::vector<float> ref(q.size());
+    std::vector<std::vector<uint16_t>> want_k(B), want_v(B);
+    std::vector<Dev<uint16_t>*> kc, vc;
+    std::vector<uint16_t*> kp, vp;
+    std::vector<int32_t> pos(B);
+    for (int b = 0; b < B; ++b) {
+      const int n = c.pasts[b] + 1;
+      auto k = bf16_of(randn(size_t(n) * row)), v = bf16_of(randn(size_t(n) * row));
+      const auto kn = bf16_of(std::vector<float>(knew.begin() + size_t(b) * row, knew.begin() + size_t(b + 1) * row));
+      const auto vn = bf16_of(std::vector<float>(vnew.begin() + size_t(b) * row, vnew.begin() + size_t(b + 1) * row));
+      std::copy(kn.begin(), kn.end(), k.begin() + size_t(c.pasts[b]) * row);
+      std::copy(vn.begin(), vn.end(), v.begin() + size_t(c.pasts[b]) * row);
+      attention_causal(ref.data() + size_t(b) * c.H * c.Dh, q.data() + size_t(b) * c.H * c.Dh, k.data(), v.data(),
+                       DType::BF16, 1, c.pasts[b], c.H, c.Hkv, c.Dh);
+      want_k[b] = k, want_v[b] = v;
+      want_k[b].resize(size_t(n + 3) * row, 0xffff), want_v[b].resize(size_t(n + 3) * row, 0xffff);
+      std::vector<uint16_t> kstart(want_k[b]), vstart(want_v[b]);  // the new row not yet there
+      std::fill_n(kstart.begin() + size_t(c.pasts[b]) * row, row, 0xffff);
+      std::fill_n(vstart.begin() + size_t(c.pasts[b]) * row, row, 0xffff);
+      kc.push_back(new Dev<uint16_t>(kstart)), vc.push_back(new Dev<uint16_t>(vstart));
+      kp.push_back(kc.back()->p), vp.push_back(vc.back()->p);
+      pos[b] = c.pasts[b];
+    }
+    Dev<uint16_t*> dkp(kp), dvp(vp);
+    Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(B) * c.H * c.n_splits * (c.Dh + 2));
+    Dev<int32_t> dp(pos);
+    Dev<unsigned> cnt(size_t(B) * c.Hkv);
+    CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
+    CK(cu::attention_decode_batch(dout.p, dq.p, dkp.p, dvp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
+                                  part.p, cnt.p, 0));
+    const auto got = dout.get();
+    dout.poison();
+    CK(cu::attention_decode_batch(dout.p, dq.p, dkp.p, dvp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
+                                  part.p, cnt.p, 0));
+    const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
+    size_t bad_rows = 0;
+    for (int b = 0; b < B; ++b) {
+      bad_rows += kc[b]->get() != want_k[b] || vc[b]->get() != want_v[b];
+      delete kc[b], delete vc[b];
+    }
+    int longest = 0;
+    for (int p : c.pasts) longest = std::max(longest, p);
+    report(fmt("attention_decode_batch B=%d longest=%d G=%d Hkv=%d Dh=%d splits=%d", B, longest, c.H / c.Hkv, c.Hkv,
+               c.Dh, c.n_splits),
+           rel(got, ref), 1e-5, fmt("rerun %s, caches %s", same ? "bit-identical" : "DIFFERS", bad_rows ? "WRONG" : "exact"));
+    if (!same || bad_rows) ++g_fail;
+  }
+}
+
 double gemv_bandwidth(int N, int K) {
   const int sets = 8;  // rotate weight sets (more than the 50 MB L2)
   std::vector<Dev<uint16_t>*> ws;
@@ -512,6 +575,38 @@ void round_weights_to_bf16(ModelWeights& w, std::vector<std::vector<uint16_t>>& 
 
 // CUDA backend vs CPU backend on one model. The CPU reference uses the weights rounded to BF16
 // (what the GPU holds) and a BF16 KV cache, so the comparison measures the GPU computation.
+// B sequences (prefixes of the prompt, all of different lengths) decoding together: 8 steps of
+// forward_batch with one token per sequence through both backends, the tokens chosen by the CPU
+// for both (so they never part), logits compared at every step. B <= 8 runs the GEMV path, B > 8
+// the cuBLAS linears; both the grouped MoE kernels and the one-launch batched attention.
+void check_model_batch(const std::string& name, const ModelWeights& w, Backend& cpu, Backend& gpu,
+                       const std::vector<int32_t>& prompt, int B) {
+  const int V = w.cfg.vocab_size, T = int(prompt.size());
+  std::vector<std::unique_ptr<KvCache>> cc, gc;
+  std::vector<float> lc(size_t(B) * V), lg(size_t(B) * V);
+  for (int b = 0; b < B; ++b) {
+    const std::vector<int32_t> p(prompt.begin(), prompt.begin() + std::max(1, T - b % T));
+    cc.push_back(cpu.new_cache()), gc.push_back(gpu.new_cache());
+    cpu.forward(p, *cc.back(), 1, lc.data() + size_t(b) * V);
+    gpu.forward(p, *gc.back(), 1, lg.data() + size_t(b) * V);
+  }
+  std::vector<int32_t> next(B);
+  std::vector<Backend::SeqStep> sc(B), sg(B);
+  double worst = 0;
+  for (int step = 0; step < 8; ++step) {
+    for (int b = 0; b < B; ++b) {
+      next[b] = argmax(std::span<const float>(lc.data() + size_t(b) * V, V));
+      sc[b] = {std::span(&next[b], 1), cc[b].get(), 1};
+      sg[b] = {std::span(&next[b], 1), gc[b].get(), 1};
+    }
+    cpu.forward_batch(sc, lc.data());
+    gpu.forward_batch(sg, lg.data());
+    for (int b = 0; b < B; ++b)
+      worst = std::max(worst, test::rel_l2(lg.data() + size_t(b) * V, lc.data() + size_t(b) * V, V));
+  }
+  report(fmt("%s batch B=%d, 8 steps of forward_batch, worst logits", name.c_str(), B), worst, 2e-2);
+}
+
 void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps) {
   auto w = load_weights(dir);
   const int V = w->cfg.vocab_size, T = int(prompt.size());
@@ -553,6 +648,8 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
          split ? fmt("tokens agree %d/%d (CPU top-2 margin %.4f at the split)", agree, steps, margin_at_split)
                : fmt("tokens agree %d/%d", agree, steps));
   if (split) ++g_fail;
+  check_model_batch(name, *w, *cpu, *gpu, prompt, 3);
+  check_model_batch(name, *w, *cpu, *gpu, prompt, 12);
 }
 
 }  // namespace
@@ -594,6 +691,97 @@ int bench_main(int argc, char** argv) {
   return 0;
 }
 
+// The batch table in one process: every B of --batches under every variant (A/B environment
+// switches, read by the backend at each pass) over the same caches: max(B) random prompts of C
+// tokens prefilled once, each cut back to C tokens after a run. Per row: ms per step (every stream
+// one token), median and p99 over N steps after two warm-up steps, and how many of the run's greedy
+// tokens equal the first variant's (information only: the variants round differently).
+//   tiermoe_cuda_check batchtable --config FILE [--ctx C] [--gen N] [--batches 1,8,32,64]
+int batchtable_main(int argc, char** argv) {
+  std::string config;
+  int ctx = 1024, gen = 16;
+  std::vector<int> batches = {1, 8, 32, 64};
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--config") config = v;
+    else if (k == "--ctx") ctx = std::stoi(v);
+    else if (k == "--gen") gen = std::stoi(v);
+    else if (k == "--batches") {
+      batches.clear();
+      for (size_t at = 0; at < v.size();) {
+        const size_t comma = std::min(v.find(',', at), v.size());
+        batches.push_back(std::stoi(v.substr(at, comma - at)));
+        at = comma + 1;
+      }
+    }
+    else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
+  }
+  if (config.empty() || batches.empty() || *std::min_element(batches.begin(), batches.end()) < 1) {
+    std::fprintf(stderr, "batchtable: needs --config FILE and --batches of positive sizes\n");
+    return 2;
+  }
+  const ModelConfig cfg = parse_config(test::read_file(config), config);
+  auto b = make_cuda_backend_dummy(cfg);
+  const int max_b = *std::max_element(batches.begin(), batches.end());
+  const size_t V = size_t(cfg.vocab_size);
+  std::mt19937 prng(1234);
+  std::vector<std::unique_ptr<KvCache>> caches;
+  std::vector<float> logits(size_t(max_b) * V);
+  std::vector<int32_t> first(max_b);
+  std::vector<double> prefill_ms;
+  for (int i = 0; i < max_b; ++i) {
+    std::vector<int32_t> prompt(ctx);
+    for (auto& id : prompt) id = int32_t(prng() % uint32_t(cfg.vocab_size));
+    caches.push_back(b->new_cache());
+    const auto t0 = std::chrono::steady_clock::now();
+    b->forward(prompt, *caches.back(), 1, logits.data());
+    prefill_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    first[i] = int32_t(std::max_element(logits.begin(), logits.begin() + V) - logits.begin());
+  }
+  struct Variant { const char *name, *moe, *min_t, *batch_attn; };
+  const Variant variants[] = {{"before", "fused", "2", "0"},
+                              {"grouped", "grouped", "2", "0"},
+                              {"grouped+batch_attn", "grouped", "2", "1"},
+                              {"grouped_t1", "grouped", "1", "1"}};
+  for (int B : batches) {
+    std::vector<int32_t> tokens_first_variant;
+    for (const Variant& v : variants) {
+      if (std::strcmp(v.name, "grouped_t1") == 0 && B != 1) continue;  // differs from grouped at T = 1 only
+      setenv("TIERMOE_CUDA_MOE", v.moe, 1);
+      setenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T", v.min_t, 1);
+      setenv("TIERMOE_CUDA_BATCH_ATTN", v.batch_attn, 1);
+      std::vector<int32_t> next(first.begin(), first.begin() + B), tokens;
+      std::vector<Backend::SeqStep> steps(B);
+      std::vector<double> step_ms;
+      for (int i = 0; i < gen + 2; ++i) {
+        for (int s = 0; s < B; ++s) steps[s] = {std::span(&next[s], 1), caches[s].get(), 1};
+        const auto t0 = std::chrono::steady_clock::now();
+        b->forward_batch(steps, logits.data());
+        if (i >= 2) step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        for (int s = 0; s < B; ++s) {
+          const float* row = logits.data() + size_t(s) * V;
+          next[s] = int32_t(std::max_element(row, row + V) - row);
+          tokens.push_back(next[s]);
+        }
+      }
+      for (int s = 0; s < B; ++s) caches[s]->truncate(ctx);
+      if (tokens_first_variant.empty()) tokens_first_variant = tokens;
+      size_t equal = 0;
+      for (size_t i = 0; i < tokens.size(); ++i) equal += tokens[i] == tokens_first_variant[i];
+      nlohmann::json out = {{"config", std::filesystem::path(config).filename().string()}, {"variant", v.name},
+                            {"batch", B}, {"prompt_tokens", ctx}, {"gen_tokens", gen},
+                            {"ms_per_step_p50", bench_percentile(step_ms, 50)},
+                            {"ms_per_step_p99", bench_percentile(step_ms, 99)},
+                            {"tokens_per_s", B * 1000.0 / bench_percentile(step_ms, 50)},
+                            {"tokens_equal_to_first_variant", fmt("%zu/%zu", equal, tokens.size())},
+                            {"prefill_ms_p50", bench_percentile(prefill_ms, 50)}, {"device", cuda_device_name()}};
+      std::printf("%s\n", out.dump().c_str());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 int profile_main(int argc, char** argv) {
   std::string config;
   int ctx = 16;
@@ -625,18 +813,23 @@ int profile_main(int argc, char** argv) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
+  if (argc > 1 && std::strcmp(argv[1], "batchtable") == 0) return batchtable_main(argc, argv);
   const bool kernels_only = argc > 1 && std::strcmp(argv[1], "--kernels-only") == 0;
+  const bool models_only = argc > 1 && std::strcmp(argv[1], "--models-only") == 0;
   std::printf("device: %s\n", cuda_device_name().c_str());
-  std::printf("== kernels vs CPU twins ==\n");
-  check_gemv();
-  check_gemv3();
-  check_rmsnorm_rope_misc();
-  check_route();
-  check_moe_route();
-  check_moe();
-  check_moe_grouped();
-  check_attention();
-  check_attention_decode();
+  if (!models_only) {
+    std::printf("== kernels vs CPU twins ==\n");
+    check_gemv();
+    check_gemv3();
+    check_rmsnorm_rope_misc();
+    check_route();
+    check_moe_route();
+    check_moe();
+    check_moe_grouped();
+    check_attention();
+    check_attention_decode();
+    check_attention_decode_batch();
+  }
   if (!kernels_only) {
     std::printf("== models: CUDA backend vs CPU backend ==\n");
     const std::string tiny = test::tinymix_dir();
