@@ -399,5 +399,28 @@ TEST(Server, ConcurrentStreamsMatchRequestsAlone) {
   EXPECT_EQ(srv.stop(), 0);  // under ASan, LeakSanitizer at the server's exit would make this non-zero
 }
 
+TEST(Server, BadBackendFlagsEndWithExitCode2NamingTheFlag) {
+  const std::string bin = std::getenv("TIERMOE_BIN") ? std::getenv("TIERMOE_BIN") : "";
+  ASSERT_FALSE(bin.empty()) << "TIERMOE_BIN is not set";
+  const std::string model = " --model " + test::tinymix_dir();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"serve --port 0 --backend tpu" + model, "--backend must be cpu or cuda"},
+      {"generate --prompt-ids 1,2 --backend tpu" + model, "--backend must be cpu or cuda"},
+      {"serve --port 0 --load-format dummy" + model, "--load-format dummy needs --backend cuda"},
+      {"generate --prompt-ids 1,2 --load-format bogus" + model, "--load-format must be auto or dummy"},
+  };
+  for (const auto& [args, message] : cases) {
+    FILE* p = popen((bin + " " + args + " 2>&1").c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    const int st = pclose(p);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 2) << args << ": " << out;
+    EXPECT_NE(out.find(message), std::string::npos) << args << ": " << out;
+  }
+}
+
 }  // namespace
 }  // namespace tiermoe
