@@ -268,6 +268,20 @@ TEST(TieredKvCache, HoldsWhatItAccountsFor) {
   }
 }
 
+// truncate(0) empties every page and the sink: the same run again gives the same attention.
+TEST(TieredKvCache, TruncateToZeroStartsOver) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  KvSpec s = small_spec("default");
+  s.archive_stages = 1;
+  auto c = make_kv_cache(g, s);
+  const std::vector<int> lens = {70, 30, 1, 1, 1};
+  const auto first = run_cache(*c, g, lens, 5);
+  c->truncate(0);
+  EXPECT_EQ(c->length(), 0);
+  EXPECT_EQ(c->bytes(), 0u);
+  EXPECT_EQ(run_cache(*c, g, lens, 5), first);
+}
+
 TEST(TieredKvCache, CalibrationIsDeterministicForASeed) {
   const KvGeometry g{1, 2, 4, 32, 10000.f};
   auto codecs = [&](uint64_t seed) {

@@ -189,7 +189,7 @@ class TieredKvCache final : public KvCache {
       for (Stream& s : L.s) {
         s.pages.resize(keep);
         if (n % P) s.pages.back().exact.resize(size_t(n % P) * row);
-        if (L.exact_from == 0) s.sink.clear();
+        if (L.exact_from == 0) std::vector<uint16_t>().swap(s.sink);
       }
     }
   }
