@@ -3,7 +3,7 @@
 the OpenAI protocol, greedy comparisons, and a transcription of scripts/loadgen.mjs (same
 prompts, request body and metric definitions). Standard library only.
 
-  gpu_client.py smoke URL | ids URL 1,2,3 N CONCURRENT | loadgen URL 1,8,32"""
+  gpu_client.py smoke URL | ids URL 1,2,3 N CONCURRENT | mixed URL 1,2,3 N | loadgen URL 1,8,32"""
 import http.client, json, sys, threading, time, urllib.parse
 
 def conn(url):
@@ -77,6 +77,24 @@ def greedy_ids(url, ids, n, concurrent):
     [t.join() for t in th]
     return {"alone": alone, "usage": j["usage"], "streamed_equal": s == alone,
             "concurrent_equal": sum(t == alone for t in texts), "concurrent": concurrent}
+
+def mixed(url, ids, n):
+    """n greedy requests of different lengths (prefixes of `ids`, 4..40 new tokens) sent at once
+    with staggered starts, each compared with the same request alone: batched decode, requests
+    joining and leaving, and lone decode steps (CUDA graphs) on caches that come and go."""
+    reqs = [{"prompt": ids[: 4 + i % (len(ids) - 3)], "max_tokens": 4 + (i * 7) % 37, "temperature": 0, "ignore_eos": True}
+            for i in range(n)]
+    text = lambda b: json.loads(req(url, "POST", "/v1/completions", b)[1])["choices"][0]["text"]
+    together = [None] * n
+    def one(i):
+        time.sleep(0.002 * (i % 8))
+        together[i] = text(reqs[i])
+    th = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    [t.start() for t in th]
+    [t.join() for t in th]
+    alone = [text(r) for r in reqs]
+    return {"requests": n, "equal_to_alone": sum(a == b for a, b in zip(alone, together)),
+            "differ": [i for i in range(n) if alone[i] != together[i]]}
 
 def smoke(url):
     out = {}
@@ -171,13 +189,15 @@ def loadgen(url, levels, prompt_tokens=128, max_tokens=64):
     return {"rows": rows, "table": "\n".join(lines)}
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("smoke", "ids", "loadgen"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("smoke", "ids", "mixed", "loadgen"):
         sys.exit(__doc__.splitlines()[-1].strip())
     cmd, url = sys.argv[1], sys.argv[2]
     if cmd == "smoke":
         print(json.dumps(smoke(url), indent=1))
     elif cmd == "ids":
         print(json.dumps(greedy_ids(url, [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4]), int(sys.argv[5]))))
+    elif cmd == "mixed":
+        print(json.dumps(mixed(url, [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4]))))
     elif cmd == "loadgen":
         r = loadgen(url, [int(x) for x in sys.argv[3].split(",")])
         print(json.dumps(r["rows"]))

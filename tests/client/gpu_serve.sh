@@ -8,7 +8,7 @@
 #
 # The working tree travels too: keep it small (models/tinymix-code/*.xz are not needed).
 # "run" checks greedy CUDA == CPU == transformers on the golden fixture mixtral_oldcfg (alone,
-# streamed, 8 at once; CUDA graphs on and off), the protocol (completions, chat, streaming,
+# streamed, 8 at once, 48 mixed requests at once vs alone; CUDA graphs on and off), the protocol (completions, chat, streaming,
 # errors, metrics) and a c=1/8/32 load on tinymix-code's shapes with --load-format dummy, with
 # gpu_client.py (standard-library Python: the machine has no Node).
 set -u
@@ -49,7 +49,8 @@ done
 for graphs in 1 0; do
   TIERMOE_CUDA_GRAPHS=$graphs $T serve --model /tmp/fx --backend cuda --port 8101 > /tmp/s1.log 2>&1 &
   P=$!
-  wait_listening /tmp/s1.log && { echo "serve fixture, graphs=$graphs:"; python3 $D/gpu_client.py ids http://127.0.0.1:8101 $IDS 16 8; } | tee -a $OUT/serve_fixture.txt
+  wait_listening /tmp/s1.log && { echo "serve fixture, graphs=$graphs:"; python3 $D/gpu_client.py ids http://127.0.0.1:8101 $IDS 16 8;
+    python3 $D/gpu_client.py mixed http://127.0.0.1:8101 $IDS 48; } | tee -a $OUT/serve_fixture.txt
   kill $P; wait $P
 done
 
