@@ -299,18 +299,18 @@ class CudaBackend final : public Backend {
   int32_t *ids_, *pos_, *topk_;
   unsigned* split_counters_;  // attention_decode's, zero between launches
   unsigned* route_counter_;   // moe_route's, likewise
-  // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped: T = 1 the per-(token, k) kernels,
+  // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
   // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the masked cuBLAS path; Fused: the
   // per-(token, k) kernels up to T = kGemvMaxT, then masked; Unfused: masked at every T.
   enum class MoeMode { Grouped, Fused, Unfused };
-  // The defaults: what passed the GPU check (docs/cuda.md).
-  static constexpr MoeMode kDefaultMoe = MoeMode::Fused;
-  static constexpr bool kDefaultBatchAttention = false;
+  // The defaults: the configuration checked and timed on the H200 (docs/cuda.md, c4c5c71).
+  static constexpr MoeMode kDefaultMoe = MoeMode::Grouped;
+  static constexpr bool kDefaultBatchAttention = true;
   MoeMode moe_mode_ = kDefaultMoe;
   int grouped_min_t_ = 2;  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels
   static constexpr int kMoeGroupedMaxT = 64;
   float* moe_y_ = nullptr;  // grouped down projection, [min(Tm, kMoeGroupedMaxT) * K, D]
-  // One attention launch for B sequences of one token each (TIERMOE_CUDA_BATCH_ATTN=1; 0: one per
+  // One attention launch for B sequences of one token each (TIERMOE_CUDA_BATCH_ATTN=0: one per
   // sequence): their caches' rows, per layer [K pointers of the B sequences, V pointers], on the
   // device and pinned on the host; the split count of the pass (0: attention per piece).
   bool batch_attention_ = kDefaultBatchAttention;
