@@ -35,8 +35,14 @@ CmdResult run_cli(const std::string& args) {
 
 std::string model_flag() { return "--model " + test::tinymix_dir(); }
 
+EngineOptions tinymix_options() {
+  EngineOptions o;
+  o.model_dir = test::tinymix_dir();
+  return o;
+}
+
 TEST(Engine, HeldoutWindowNllMatchesTransformers) {
-  Engine engine({test::tinymix_dir()});
+  Engine engine(tinymix_options());
   Checkpoint ref = Checkpoint::open_file(test::tinymix_dir() + "/reference.safetensors");
   const auto expected = test::floats(ref.get("heldout_window_nll"));
   // The text is ASCII-heavy; 60k characters give more than 4 windows of 2048 tokens, and BPE
@@ -51,7 +57,7 @@ TEST(Engine, HeldoutWindowNllMatchesTransformers) {
 }
 
 TEST(Engine, StopStringEndsGenerationAndIsNotEmitted) {
-  Engine engine({test::tinymix_dir()});
+  Engine engine(tinymix_options());
   GenerateRequest req;
   req.prompt = engine.tokenizer().encode("import numpy as np\n\ndef softmax(x, axis=-1):\n    ");
   req.sampling.temperature = 0;
@@ -67,7 +73,7 @@ TEST(Engine, StopStringEndsGenerationAndIsNotEmitted) {
 }
 
 TEST(Engine, BadRequestsAreInputErrors) {
-  Engine engine({test::tinymix_dir()});
+  Engine engine(tinymix_options());
   GenerateRequest req;
   EXPECT_THROW(engine.generate(req), InputError);  // empty prompt
   req.prompt = {1, 2, 999999};
@@ -136,6 +142,8 @@ TEST(Cli, BadInputGivesClearErrorAndExitCode2) {
       {"ppl MODEL --file /nonexistent/text.txt", "/nonexistent/text.txt"},
       {"ppl MODEL --file MODELDIR/README.md --ctx 100000", "--ctx"},
       {"tokenize --model /nonexistent/model --text hi", "/nonexistent/model"},
+      {"generate MODEL -p hi --threads -3", "--threads"},
+      {"generate MODEL -p hi --max-tokenz 3", "--max-tokenz"},
   };
   for (const BadCli& c : cases) {
     std::string args = c.args;

@@ -43,7 +43,7 @@ int run_bench(const CommonOptions& c, const BenchOptions& b) {
   if (b.backend == "cpu") {
     if (b.load_format == "dummy") throw InputError("bench: --load-format dummy needs --backend cuda");
     if (c.model_dir.empty()) throw InputError("bench: give --model DIR");
-    engine = std::make_unique<Engine>(EngineOptions{c.model_dir, c.kv, c.threads});
+    engine = std::make_unique<Engine>(engine_options(c));  // --kv, --kv-config, --kv-profile as every command
     cfg = engine->config();
   } else {
 #if TIERMOE_HAVE_CUDA

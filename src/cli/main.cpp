@@ -17,7 +17,7 @@ void add_common(CLI::App* cmd, CommonOptions& c, bool json_flag = true) {
                   "hadamard3, oskvp, rvq-tiers, default")->capture_default_str();
   cmd->add_option("--kv-config", c.kv_config, "JSON file of KV cache settings (overrides --kv; see docs/kv_codecs.md)");
   cmd->add_option("--kv-profile", c.kv_profile, "Offline KV calibration written by `tiermoe calibrate`");
-  cmd->add_option("--threads", c.threads, "CPU threads (default: all cores)");
+  cmd->add_option("--threads", c.threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
   if (json_flag) cmd->add_flag("--json", c.json, "Machine-readable output");
 }
 
@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
   bench->add_option("--backend", bo.backend, "cpu or cuda")->capture_default_str();
   bench->add_option("--config", bo.config_file, "config.json for --load-format dummy");
   bench->add_option("--load-format", bo.load_format, "auto (checkpoint) or dummy (random weights on the GPU)")->capture_default_str();
-  bench->add_option("--batch", bo.batch, "Concurrent sequences (1 so far)")->capture_default_str();
+  bench->add_option("--batch", bo.batch, "Concurrent sequences, one token each per step")->capture_default_str();
 
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
   add_common(serve, c, false);
@@ -124,7 +124,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int code = app.exit(e);  // prints help, or the error with a hint
+    return code == 0 ? 0 : 2;      // a bad flag is bad input, as everywhere else
   }
 
   // The CUDA backend's cache is BF16; the CLI's default (the CPU's tiered cache) does not apply.

@@ -151,8 +151,11 @@ class CudaKvCache final : public KvCache {
   void grow(int c) {
     bf16 *nk = nullptr, *nv = nullptr;
     const size_t n = size_t(g_.num_layers) * c * row_;
-    if (cudaMalloc(&nk, n * 2) != cudaSuccess || cudaMalloc(&nv, n * 2) != cudaSuccess)
+    if (cudaMalloc(&nk, n * 2) != cudaSuccess || cudaMalloc(&nv, n * 2) != cudaSuccess) {
+      cudaFree(nk);  // the first may have succeeded
+      cudaGetLastError();
       throw InputError("KV cache: cannot allocate " + std::to_string(2 * n * 2 >> 20) + " MiB of GPU memory");
+    }
     for (int l = 0; l < g_.num_layers && k_; ++l) {
       const size_t rows = size_t(std::min(lens_[l], cap_)) * row_ * 2;
       CUDA_CK(cudaMemcpyAsync(nk + size_t(l) * c * row_, k(l), rows, cudaMemcpyDeviceToDevice, stream_));
@@ -324,11 +327,11 @@ class CudaBackend final : public Backend {
   static constexpr int kPinnedLogitRows = 8;
   static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
 
-  // Captured decode steps, one per (KV buffer, capacity, attention split count, logits wanted):
+  // Captured decode steps, one per (KV buffers, capacity, attention split count, logits wanted):
   // a sequence that grows through several split counts, or a cache emptied and refilled, replays
   // graphs captured before instead of capturing again.
   struct GraphKey {
-    const void* k = nullptr;
+    const void *k = nullptr, *v = nullptr;  // both: a new cache may reuse a freed K address only
     int cap = 0, n_splits = 0, n_logits = 0;
     auto operator<=>(const GraphKey&) const = default;
   };
@@ -687,7 +690,7 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
 
   const bool graph = opts_.use_graphs && pieces.size() == 1 && T == 1;
   if (graph) {
-    const GraphKey key{pieces[0].cache->k(0), pieces[0].cache->capacity(), pieces[0].n_splits, n_logits};
+    const GraphKey key{pieces[0].cache->k(0), pieces[0].cache->v(0), pieces[0].cache->capacity(), pieces[0].n_splits, n_logits};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       if (graphs_.size() >= 64) {  // bounded: caches come and go
