@@ -155,6 +155,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
         sum += p;
       }
       sum = warp_sum_f(sum);
+      __syncwarp();  // every lane has read mrun[g] before lane 0 overwrites it (racecheck)
       if (lane == 0) {
         const float c = m_old == -INFINITY ? 0.f : expf(m_old - m_new);
         corr[g] = c;
