@@ -466,7 +466,7 @@ void VqCodec::encode(const float* x, uint16_t* codes, uint8_t* anc, float* norm)
     }
 }
 
-void VqCodec::decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x) const {
+void VqCodec::decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x, bool in_basis) const {
   float y[256] = {};
   for (size_t a = 0; a < anchors.size(); ++a) y[anchors[a]] = fp8_e4m3_to_f32(anc[a]) * anchor_scale[a];
   float r[256] = {};
@@ -477,9 +477,17 @@ void VqCodec::decode(const uint16_t* codes, const uint8_t* anc, float norm, int 
       for (int l = 0; l < slot.len; ++l) r[slot.c0 + l] += c[l];
     }
   for (size_t i = 0; i < rest.size(); ++i) y[rest[i]] = norm * r[i];
+  if (in_basis) {
+    std::copy_n(y, d, x);
+    return;
+  }
+  from_basis(y, 1.f, x);
+}
+
+void VqCodec::from_basis(const float* y, float weight, float* x) const {
   unrotate(y, x);
   if (!mean.empty())
-    for (int i = 0; i < d; ++i) x[i] += mean[size_t(i)];
+    for (int i = 0; i < d; ++i) x[i] += weight * mean[size_t(i)];
 }
 
 void VqCodec::roundtrip_elementwise(float* x) const {

@@ -56,8 +56,12 @@ struct VqCodec {
 
   // vq: x[Dh] -> codes[n_codes()], anchors[anchors.size()], norm (BF16-rounded).
   void encode(const float* x, uint16_t* codes, uint8_t* anc, float* norm) const;
-  // vq: the vector the first n stages of a code stand for.
-  void decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x) const;
+  // vq: the vector the first n stages of a code stand for; with in_basis, its coordinates y in
+  // the rotated basis, before unrotation and the mean (x = from_basis(y)).
+  void decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x, bool in_basis = false) const;
+  // x = U^T y + weight * mean: a weighted sum of vectors kept in the basis (weights summing to
+  // `weight`) brought back with one unrotation instead of one per vector.
+  void from_basis(const float* y, float weight, float* x) const;
   // fp8 / bf16: one token. kivi: a page of P tokens x[P, stride] (keys per channel over the
   // page's groups of tokens, values per token over groups of channels), decoded in place.
   void roundtrip_elementwise(float* x) const;

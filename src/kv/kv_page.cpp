@@ -147,8 +147,9 @@ float page_norm(const PageStore& pg, const StreamCodecs& c, const PageGeometry& 
 }
 
 void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int stages,
-                 const KeyRope& rope, float* out) {
+                 const KeyRope& rope, float* out, bool in_basis) {
   CHECK(pg.coded);
+  CHECK(!in_basis || (c.kv == 1 && is_vq(c)));
   const int P = geo.P, Dh = geo.Dh;
   const VqCodec& cd = c[h];
   size_t off = head_bit_offset(c, geo, h, pg.stages);
@@ -169,7 +170,7 @@ void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry&
   for (int t = 0; t < P; ++t) {
     page_codes(pg, c, geo, h, t, codes.data());
     float* o = out + size_t(t) * Dh;
-    cd.decode(codes.data(), page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, o);
+    cd.decode(codes.data(), page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, o, in_basis);
     if (c.kv == 0 && rope.on()) rope.apply(o, geo.first + t, Dh, 1.f);
   }
 }

@@ -51,9 +51,10 @@ struct PageGeometry {
 void encode_page(PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, const KeyRope& rope);
 // Archive migration: keep the codes of the first `stages` stages (vq).
 void truncate_page_stages(PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int stages);
-// Decodes head h of a coded page with its first `stages` stages into out[P, Dh].
+// Decodes head h of a coded page with its first `stages` stages into out[P, Dh]; vq values
+// with in_basis stay in the rotated basis (VqCodec::decode).
 void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int stages,
-                 const KeyRope& rope, float* out);
+                 const KeyRope& rope, float* out, bool in_basis = false);
 // vq: the codes of token t of head h (the stages the page holds) into codes[], for lookup tables.
 void page_codes(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t, uint16_t* codes);
 inline const uint8_t* page_anchors(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t) {

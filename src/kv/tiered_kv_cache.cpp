@@ -88,6 +88,8 @@ struct Layer {
 };
 
 // The decoded scratch of one KV head for one attention call: pages [lo, hi) of one version.
+// vq values stay in their codec's rotated basis: attention sums them there and unrotates the
+// sum once per query (Dh^2 per query instead of per key).
 struct Decoded {
   int lo = 0, hi = 0;
   std::vector<float> rows[2];  // K, V: [(hi - lo) P, Dh]
@@ -377,7 +379,7 @@ class TieredKvCache final : public KvCache {
         const int pg = d.lo + (j < n_mid ? j : j - n_mid);
         const VqCodec& c = L.codec[size_t(kvh) * 2 + size_t(kv)];
         decode_page(L.s[kv].pages[size_t(pg)], codecs(L, kv), page_geo(pg), kvh, stages_for(&d == &arch, c), rope_,
-                    d.rows[kv].data() + size_t(pg - d.lo) * P * Dh);
+                    d.rows[kv].data() + size_t(pg - d.lo) * P * Dh, kv == 1 && values_in_basis());
       }
     });
   }
@@ -404,8 +406,23 @@ class TieredKvCache final : public KvCache {
     float den = 0;
     for (int j = 0; j < n; ++j) den += (sc[size_t(j)] = std::exp(sc[size_t(j)] - mx));
     std::fill(o, o + Dh, 0.f);
-    for (int j = 0; j < n; ++j) visit(1, j, [&](const auto* v) { axpy(o, sc[size_t(j)] / den, v, Dh); });
+    if (!values_in_basis() || ce <= sink) {
+      for (int j = 0; j < n; ++j) visit(1, j, [&](const auto* v) { axpy(o, sc[size_t(j)] / den, v, Dh); });
+      return;
+    }
+    // Exact rows straight into o; coded rows summed in the basis, then one unrotation.
+    float y[256] = {}, x[256], w_coded = 0;
+    for (int j = 0; j < n; ++j) {
+      const float w = sc[size_t(j)] / den;
+      const bool coded = j >= sink && j < ce;
+      if (coded) w_coded += w;
+      visit(1, j, [&](const auto* v) { axpy(coded ? y : o, w, v, Dh); });
+    }
+    L.codec[size_t(kvh) * 2 + 1].from_basis(y, w_coded, x);
+    for (int i = 0; i < Dh; ++i) o[i] += x[i];
   }
+
+  bool values_in_basis() const { return spec_.v.kind == "vq"; }
 
   void attend_lut(const Layer& L, const float* q, int p, int kvh, float* o) const {
     const int Dh = g_.head_dim, n = p + 1, P = spec_.page;
