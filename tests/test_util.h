@@ -43,6 +43,16 @@ inline std::vector<float> floats(const TensorView& t) {
   return out;
 }
 
+// ||a - b|| / ||b||
+inline double rel_l2(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / (den > 0 ? den : 1));
+}
+
 // n greedy tokens after `prompt`, decoded one at a time through a fresh KV cache.
 inline std::vector<int32_t> greedy_tokens(Backend& backend, int vocab, std::span<const int32_t> prompt, size_t n) {
   auto cache = backend.new_cache();
@@ -57,6 +67,20 @@ inline std::vector<int32_t> greedy_tokens(Backend& backend, int vocab, std::span
   return got;
 }
 
+// Relative L2 error of the logits at every position of `ids` (one pass through a fresh cache)
+// against expected[T, V].
+inline std::vector<double> logit_errors_at_every_position(Backend& backend, int vocab, std::span<const int32_t> ids,
+                                                          const std::vector<float>& expected) {
+  const size_t T = ids.size(), V = static_cast<size_t>(vocab);
+  CHECK(expected.size() == T * V);
+  auto cache = backend.new_cache();
+  std::vector<float> logits(T * V);
+  backend.forward(ids, *cache, int(T), logits.data());
+  std::vector<double> err(T);
+  for (size_t t = 0; t < T; ++t) err[t] = rel_l2(&logits[t * V], &expected[t * V], V);
+  return err;
+}
+
 // Standard-normal floats, deterministic for a seed.
 inline std::vector<float> randn(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -66,15 +90,6 @@ inline std::vector<float> randn(size_t n, uint32_t seed) {
   return v;
 }
 
-// ||a - b|| / ||b||
-inline double rel_l2(const float* a, const float* b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / (den > 0 ? den : 1));
-}
 
 }  // namespace tiermoe::test
 
