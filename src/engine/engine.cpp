@@ -86,10 +86,7 @@ const Tokenizer& Engine::tokenizer() const {
 }
 
 void Engine::check_ids(std::span<const int32_t> ids, const char* what) const {
-  for (int32_t id : ids)
-    if (id < 0 || id >= config().vocab_size)
-      throw InputError(std::string(what) + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                       std::to_string(config().vocab_size) + ")");
+  check_token_ids(ids, config(), what);
   if (int(ids.size()) > config().max_position_embeddings)
     throw InputError(std::string(what) + ": " + std::to_string(ids.size()) + " tokens exceed the model's context of " +
                      std::to_string(config().max_position_embeddings));

@@ -25,8 +25,8 @@ KvTierBytes kv_bytes_by_tier(const KvCache& cache, const KvGeometry& g) {
   // A tier's bits per value times its values: the accounting of Stats::token_bytes.
   const double values_per_token = double(g.num_layers) * g.num_kv_heads * g.head_dim;
   for (const auto& t : st.tiers) out[t.tier] += int64_t(double(t.tokens) * values_per_token * (t.k_bits + t.v_bits) / 8);
-  if (st.tiers.empty()) out["exact"] = int64_t(cache.bytes());
-  out["all"] = int64_t(cache.bytes());
+  if (st.tiers.empty()) out["exact"] = int64_t(st.held_bytes);
+  out["all"] = int64_t(st.held_bytes);
   return out;
 }
 
@@ -122,10 +122,7 @@ size_t Scheduler::reservation_bytes(size_t prompt_tokens, int max_tokens) const 
 std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
   if (req.prompt.empty()) throw InputError("prompt: empty (at least one token is needed)");
   if (req.max_tokens < 1) throw InputError("max_tokens: must be >= 1, got " + std::to_string(req.max_tokens));
-  for (int32_t id : req.prompt)
-    if (id < 0 || id >= cfg_.vocab_size)
-      throw InputError("prompt: token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
-                       std::to_string(cfg_.vocab_size) + ")");
+  check_token_ids(req.prompt, cfg_, "prompt");
   if (int(req.prompt.size()) >= cfg_.max_position_embeddings)
     throw InputError("prompt: " + std::to_string(req.prompt.size()) + " tokens leave no room to generate in the model's context of " +
                      std::to_string(cfg_.max_position_embeddings));

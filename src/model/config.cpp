@@ -127,4 +127,11 @@ ModelConfig load_config(const std::string& model_dir) {
   return cfg;
 }
 
+void check_token_ids(std::span<const int32_t> ids, const ModelConfig& cfg, const std::string& what) {
+  for (int32_t id : ids)
+    if (id < 0 || id >= cfg.vocab_size)
+      throw InputError(what + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                       std::to_string(cfg.vocab_size) + ")");
+}
+
 }  // namespace tiermoe

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,5 +49,8 @@ struct ModelConfig {
 // Throws InputError naming the file and field for anything missing, malformed or unsupported.
 ModelConfig load_config(const std::string& model_dir);
 ModelConfig parse_config(const std::string& json_text, const std::string& source_name);
+
+// Throws InputError naming `what` when a token id is outside [0, vocab_size).
+void check_token_ids(std::span<const int32_t> ids, const ModelConfig& cfg, const std::string& what);
 
 }  // namespace tiermoe
