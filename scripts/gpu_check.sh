@@ -5,9 +5,11 @@
 #   configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
 #   initcheck; profile: per-kernel times of one decode step under ncu; batch: the kernel table,
 #   then B = 1, 8, 32, 64 under the A/B variants in one process per config (batchtable), then the
-#   model checks; moe: fused vs unfused MoE layer side by side)
-# Binaries: ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and carried, when the
-# machine lacks the tokenizer's libraries), else built here with CMake.
+#   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
+#   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
+#   build (defaults, PDL off, BF16 prompt activations), interleaved in one run, then the kernel table)
+# Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
+# carried, when the machine lacks the tokenizer's libraries), else built here with CMake.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -15,7 +17,7 @@ MODE=${1:-full}
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv | tee "$OUT/gpu.txt"
 log unpack; scripts/unpack_model.sh
-C=./build-gpu/tiermoe_cuda_check
+C=${CHECK_BIN:-./build-gpu/tiermoe_cuda_check}
 if [ ! -x $C ]; then
   log build
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
@@ -70,9 +72,29 @@ rows() {  # one line per JSON result in $1
 import json, sys
 for line in open(sys.argv[1]):
     j = json.loads(line)
-    print(f"{j['config']:30s} {j.get('moe', ''):8s} B={j['batch']:2d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s")
+    print(f"{j['config']:30s} {j.get('variant', ''):14s} B={j['batch']:2d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s  ttft {j['ttft_ms']:.1f} ms")
 PY
 }
+if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + PDL per row
+  [ -x "${OLD_BIN:-}" ] || { echo "ab: OLD_BIN must name the earlier build's tiermoe_cuda_check"; exit 2; }
+  for row in "olmoe-1b-7b-v8192.json 16 128 3" "olmoe-1b-7b-v8192.json 4096 64 2" \
+             "qwen3-30b-a3b-L16-v8192.json 16 128 3" "qwen3-30b-a3b-L16-v8192.json 4096 64 2"; do
+    set -- $row
+    for round in 1 2; do
+      for v in old new new-nopdl new-bf16prompt; do
+        bin=$C; [ $v = old ] && bin=$OLD_BIN
+        pdl=1; [ $v = new-nopdl ] && pdl=0
+        split=1; [ $v = new-bf16prompt ] && split=0
+        log "ab $1 ctx=$2 $v round $round"
+        timeout 75 env TIERMOE_CUDA_PDL=$pdl TIERMOE_CUDA_SPLIT=$split $bin bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
+          sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/ab.jsonl"
+      done
+    done
+  done
+  rows "$OUT/ab.jsonl"
+  log kernels; timeout 90 $C --kernels-only > "$OUT/check.txt" 2>&1; grep -E "^(FAIL|==)" "$OUT/check.txt"
+  exit 0
+fi
 if [ "$MODE" = moe ]; then
   # The fused MoE layer against the unfused one (same binary, one run), B = 1 and 8, ctx 1024.
   sizes="1 8"; variants="fused unfused"; gen=64
@@ -81,7 +103,7 @@ if [ "$MODE" = moe ]; then
       for moe in $variants; do
         log "$MODE $cfg B=$B $moe"
         timeout 100 env TIERMOE_CUDA_MOE=$moe $C bench --config configs/$cfg --ctx 1024 --gen $gen --repeats 2 --batch $B |
-          sed "s/^{/{\"moe\":\"$moe\",/" >> "$OUT/$MODE.jsonl"
+          sed "s/^{/{\"variant\":\"$moe\",/" >> "$OUT/$MODE.jsonl"
       done
     done
   done

@@ -28,6 +28,17 @@ __device__ __forceinline__ float warp_sum_f(float v) {
   return v;
 }
 
+// 16 bytes global -> shared without passing through registers; the loads of a whole tile are in
+// flight together and the block waits for all of them once (cp_async_wait_all), where plain loads
+// in a loop with a branch went out a few at a time.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
 __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
   f[0] = __uint_as_float(w.x << 16), f[1] = __uint_as_float(w.x & 0xffff0000u);
   f[2] = __uint_as_float(w.y << 16), f[3] = __uint_as_float(w.y & 0xffff0000u);
@@ -100,27 +111,27 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   for (int t0 = start; t0 < end; t0 += tile) {
     const int nk = min(tile, end - t0);
     __syncthreads();  // the previous tile is consumed
-    for (int i = threadIdx.x; i < nk * L; i += blockDim.x) {
-      const int key = t0 + i / L;
-      const size_t off = size_t(kvh) * Dh + (i % L) * 8;
-      if (key >= first_new) {
-        const float* pk = k_new + size_t(key - first_new) * row + off;
-        const float* pv = v_new + size_t(key - first_new) * row + off;
-        uint32_t kw[4], vw[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          kw[j] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pk[2 * j]))) |
-                  uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pk[2 * j + 1]))) << 16;
-          vw[j] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pv[2 * j]))) |
-                  uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pv[2 * j + 1]))) << 16;
-        }
-        ktile[i] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
-        vtile[i] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
-      } else {
-        ktile[i] = __ldg(reinterpret_cast<const uint4*>(kc + size_t(key) * row + off));
-        vtile[i] = __ldg(reinterpret_cast<const uint4*>(vc + size_t(key) * row + off));
-      }
+    const int cached = max(0, min(nk, first_new - t0));  // the tile's keys already in the cache
+    for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
+      const size_t off = size_t(t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
+      cp_async16(&ktile[i], kc + off);
+      cp_async16(&vtile[i], vc + off);
     }
+    for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
+      const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
+      const float *pk = k_new + src, *pv = v_new + src;
+      uint32_t kw[4], vw[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        kw[j] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pk[2 * j]))) |
+                uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pk[2 * j + 1]))) << 16;
+        vw[j] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pv[2 * j]))) |
+                uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pv[2 * j + 1]))) << 16;
+      }
+      ktile[i] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+      vtile[i] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
+    }
+    cp_async_wait_all();
     __syncthreads();
     // (A) scores: L lanes per key, all heads at once (independent shuffle chains).
     for (int base = warp * slots; base < nk; base += kWarpsPerBlock * slots) {

@@ -196,10 +196,12 @@ class CudaKvCache final : public KvCache {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
-    if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;  // for A/B timing
+    // A/B switches for timing and checks: graphs, split prompt activations, programmatic launch.
+    if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;
+    if (const char* e = std::getenv("TIERMOE_CUDA_SPLIT"); e && e[0] == '0') opts_.split_activations = false;
     read_switches();
-    // Programmatic dependent launch of the decode kernels (A/B: not yet the default).
-    if (const char* e = std::getenv("TIERMOE_CUDA_PDL"); e && e[0] == '1') cuda::set_programmatic_launch(true);
+    const char* pdl = std::getenv("TIERMOE_CUDA_PDL");
+    cuda::set_programmatic_launch(!(pdl && pdl[0] == '0'));
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
@@ -282,6 +284,8 @@ class CudaBackend final : public Backend {
   void run_layers(const std::vector<Piece>& pieces, int T, int n_logits);
   void linear(float* y, const float* x, const DLinear& W, int T, bool accumulate);
   void gemm(float* y, const bf16* xb, const bf16* w, int T, int N, int K, bool accumulate);
+  // gemm() on an activation given as to_bf16(hi, lo, x) made it (lo null: hi alone).
+  void gemm_split(float* y, const bf16* hi, const bf16* lo, const bf16* w, int T, int N, int K, bool accumulate);
   void mlp(const DLinear& gu, const DLinear& down, int T, float* out, bool accumulate);
   void moe(const DLayer& L, int T);
 
@@ -320,7 +324,8 @@ class CudaBackend final : public Backend {
   bf16 **kv_ptrs_ = nullptr, **h_kv_ptrs_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
-  bf16 *xb_, *actb_;
+  bf16 *xb_, *actb_;                        // prompt-path GEMM inputs in BF16 (the hi parts)
+  bf16 *xb_lo_ = nullptr, *actb_lo_ = nullptr;  // and their lo parts (split_activations)
   size_t partial_cap_ = 0;
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
   float* h_logits_ = nullptr;
@@ -386,6 +391,10 @@ void CudaBackend::alloc_workspace() {
   pos_ = dalloc<int32_t>(owned_, size_t(Tm));
   xb_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
   actb_ = dalloc<bf16>(owned_, size_t(Tm) * F);
+  if (opts_.split_activations) {
+    xb_lo_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
+    actb_lo_ = dalloc<bf16>(owned_, size_t(Tm) * F);
+  }
   // Attention partials: up to 32 splits for a prompt chunk, or one per kDecodeSplit keys at T <= 8.
   const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 16;
   partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
@@ -503,12 +512,18 @@ void CudaBackend::gemm(float* y, const bf16* xb, const bf16* w, int T, int N, in
                          &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+void CudaBackend::gemm_split(float* y, const bf16* hi, const bf16* lo, const bf16* w, int T, int N, int K,
+                             bool accumulate) {
+  gemm(y, hi, w, T, N, K, accumulate);
+  if (lo) gemm(y, lo, w, T, N, K, true);
+}
+
 void CudaBackend::linear(float* y, const float* x, const DLinear& W, int T, bool accumulate) {
   if (T <= cuda::kGemvMaxT) {
     CUDA_CK(cuda::gemv(y, x, W.w, T, W.out, W.in, accumulate, stream_));
   } else {
-    CUDA_CK(cuda::to_bf16(xb_, x, size_t(T) * W.in, stream_));
-    gemm(y, xb_, W.w, T, W.out, W.in, accumulate);
+    CUDA_CK(cuda::to_bf16(xb_, xb_lo_, x, size_t(T) * W.in, stream_));
+    gemm_split(y, xb_, xb_lo_, W.w, T, W.out, W.in, accumulate);
   }
 }
 
@@ -524,7 +539,7 @@ void CudaBackend::moe(const DLayer& L, int T) {
   const bool grouped = moe_mode_ == MoeMode::Grouped && T >= grouped_min_t_ && T <= kMoeGroupedMaxT &&
                        T * K <= cuda::kMoeGroupedMaxTK;
   const bool fused = !grouped && T <= cuda::kGemvMaxT && moe_mode_ != MoeMode::Unfused;
-  if ((fused || grouped) && T <= cuda::kGemvMaxT && cuda::gemv_norm_fits(T, D)) {
+  if ((fused || grouped) && T <= cuda::kGemvMaxT) {
     // norm, router, top-k in one launch, all on the device
     CUDA_CK(cuda::moe_route(h_, router_, topk_, wts_, route_counter_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T,
                             E, K, D, cfg_.norm_topk_prob, stream_));
@@ -544,11 +559,11 @@ void CudaBackend::moe(const DLayer& L, int T) {
     // Prompt chunks: every expert over every token with the routing weight as a row mask (0 for
     // tokens that did not pick it) -- E/K times the needed FLOPs, but no host sync and all
     // tensor-core GEMMs. A grouped tensor-core GEMM is the next step.
-    CUDA_CK(cuda::to_bf16(xb_, h_, size_t(T) * D, stream_));
+    CUDA_CK(cuda::to_bf16(xb_, xb_lo_, h_, size_t(T) * D, stream_));
     for (int e = 0; e < E; ++e) {
-      gemm(gu_, xb_, L.experts_gu + size_t(e) * 2 * F * D, T, 2 * F, D, false);
-      CUDA_CK(cuda::moe_act_masked(actb_, gu_, topk_, wts_, e, T, K, F, stream_));
-      gemm(x_, actb_, L.experts_down + size_t(e) * D * F, T, D, F, true);
+      gemm_split(gu_, xb_, xb_lo_, L.experts_gu + size_t(e) * 2 * F * D, T, 2 * F, D, false);
+      CUDA_CK(cuda::moe_act_masked(actb_, actb_lo_, gu_, topk_, wts_, e, T, K, F, stream_));
+      gemm_split(x_, actb_, actb_lo_, L.experts_down + size_t(e) * D * F, T, D, F, true);
     }
   }
   if (cfg_.shared_expert_ffn > 0) {
@@ -564,7 +579,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
-    if (T <= cuda::kGemvMaxT && cuda::gemv_norm_fits(T, D)) {  // the attention norm folded into the q/k/v GEMV
+    if (T <= cuda::kGemvMaxT) {  // the attention norm folded into the q/k/v GEMV
       CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_,
                           L.attn_norm, eps));
     } else if (T <= cuda::kGemvMaxT) {
@@ -622,7 +637,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                                 cudaMemcpyDeviceToDevice, stream_));
       row += p.n_logits;
     }
-    if (n_logits <= cuda::kGemvMaxT && cuda::gemv_norm_fits(n_logits, D)) {  // the final norm folded into the LM head
+    if (n_logits <= cuda::kGemvMaxT) {  // the final norm folded into the LM head
       CUDA_CK(cuda::gemv(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, false, stream_, final_norm_, eps));
     } else {
       CUDA_CK(cuda::rmsnorm(h_, h_, final_norm_, n_logits, D, eps, stream_));

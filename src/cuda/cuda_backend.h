@@ -13,6 +13,10 @@ struct CudaBackendOptions {
   int max_chunk = 512;       // tokens per pass through the layers
   int initial_ctx = 8192;    // KV rows a new cache reserves (grows by doubling, never in a decode step)
   bool use_graphs = true;    // capture the batch-1 decode step as a CUDA graph
+  // Prompt chunks (> 8 tokens) go through BF16 tensor-core GEMMs; with split_activations each
+  // activation enters as two BF16 parts (hi + lo), which keeps FP32-level products like the GEMV
+  // path, at twice the GEMM work. Off: one BF16 rounding of every GEMM input.
+  bool split_activations = true;
   uint64_t dummy_seed = 1;   // --load-format dummy
 };
 

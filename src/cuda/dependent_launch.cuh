@@ -1,7 +1,7 @@
 // Programmatic dependent launch (Hopper): a kernel launched this way may start while the kernel
 // before it in the stream is still running. Why: a decode layer is ~7 dependent kernels, and
 // without it each one waits for the previous grid to drain before its blocks start; with it the
-// next kernel's blocks start early, ask L2 for their weights (which no kernel writes) and wait at
+// next kernel's blocks start early, load their first weights (which no kernel writes) and wait at
 // pdl_wait() for the previous kernel's results. Off unless set_programmatic_launch(true).
 // Every kernel launched with launch() must call pdl_wait() before it reads or writes memory that
 // another kernel of the stream touches, and calls pdl_launch_dependents() right after it: the

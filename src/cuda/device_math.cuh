@@ -20,10 +20,8 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// 8 BF16 packed in a uint4 -> dot with 8 consecutive floats of x (16-byte aligned).
-__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
-  const float4 a = *reinterpret_cast<const float4*>(x);
-  const float4 b = *reinterpret_cast<const float4*>(x + 4);
+// 8 BF16 packed in a uint4 -> dot with 8 floats (a: the first four, b: the last four).
+__device__ __forceinline__ float dot8(const uint4& w, const float4& a, const float4& b) {
   float s = __uint_as_float(w.x << 16) * a.x;
   s = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, s);
   s = fmaf(__uint_as_float(w.y << 16), a.z, s);
@@ -33,6 +31,10 @@ __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
   s = fmaf(__uint_as_float(w.w << 16), b.z, s);
   s = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, s);
   return s;
+}
+// The same with 8 consecutive floats of x (16-byte aligned).
+__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
+  return dot8(w, *reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4));
 }
 
 __device__ __forceinline__ uint4 ldg16(const uint16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }

@@ -15,15 +15,27 @@
 namespace tiermoe::cuda {
 namespace {
 
-// Asks L2 for a weight row w[K] (one 128-byte line per lane and step), before a block's norm
-// prologue, so that the row streams in while the norm is computed.
-__device__ __forceinline__ void prefetch_row_l2(const bf16* w, int K, int lane) {
-  for (int i = lane * 64; i < K; i += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + i));
-}
+constexpr int kWarps = 8;  // warps per block in the GEMV-style kernels
+// The GEMV-style kernels read weights in rounds of kLoads 16-byte loads per lane, all issued before
+// any is used, so that the memory system sees them together whatever the compiler schedules
+// (a 2048-wide BF16 row is 8 per lane; moe_down's warps take kDownRows rows of an expert at once
+// for that). 16 per lane took ~130 registers and halved the blocks per SM.
+constexpr int kLoads = 8;
+constexpr int kGemvRows = 1;
+constexpr int kDownRows = 2;
+constexpr int kGemvBlockRows = kWarps * kGemvRows;
 
-constexpr int kWarps = 8;  // rows per block in the GEMV-style kernels
-constexpr int kMoeMaxK = 8;  // moe_down's fast path: top-k at most this
-constexpr int kNormSmemBytes = kGemvNormMaxFloats * 4;
+// wv[r][j] = chunk (base + lane + 32 j) of row r (rows stride apart), for rows r < nr and chunks
+// < L8 (16-byte chunks per row); the others are left as they are.
+template <int NR, int CH>
+__device__ __forceinline__ void load_row_chunks(uint4 (&wv)[NR][CH], const bf16* __restrict__ w, size_t stride,
+                                                int nr, int base, int L8) {
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int j = 0; j < CH; ++j)
+      if (r < nr && base + 32 * j < L8) wv[r][j] = ldg16(w + r * stride + 8 * size_t(base + 32 * j));
+}
 
 __global__ void embed_kernel(float* x, const bf16* table, const int32_t* ids, int D) {
   const int t = blockIdx.x;
@@ -115,69 +127,104 @@ __global__ void add_sigmoid_scaled_kernel(float* x, const float* y, const float*
     x[i] += 1.0f / (1.0f + expf(-g[i / D])) * y[i];
 }
 
-__global__ void to_bf16_kernel(__nv_bfloat16* y, const float* x, size_t n) {
+// hi[i] = bf16(v), lo[i] = bf16(v - hi[i]) (lo optional).
+__device__ __forceinline__ void store_bf16_split(__nv_bfloat16* hi, __nv_bfloat16* lo, size_t i, float v) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(v);
+  hi[i] = h;
+  if (lo) lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+}
+
+__global__ void to_bf16_kernel(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* x, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    y[i] = __float2bfloat16_rn(x[i]);
+    store_bf16_split(hi, lo, i, x[i]);
 }
 
-// One warp computes output row n of y[T, N] = x[T, K] W[N, K]^T; TT accumulators (T <= TT),
-// the weight row read once for all T rows of x.
-// xs[T, K] (shared memory) = rmsnorm(x[T, K]) * nw[K], computed as rmsnorm() does; the whole block
-// on each row (x is small and in L2: one round of loads). Every thread of the block must call it.
-__device__ void block_norm_to_smem(float* xs, const float* __restrict__ x, const float* __restrict__ nw, int T, int K,
-                                   float eps) {
-  __shared__ float part[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int t = 0; t < T; ++t) {
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      const float v = x[size_t(t) * K + i];
-      xs[t * K + i] = v;
-      ss = fmaf(v, v, ss);
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) part[warp] = ss;
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < warps; ++w) total += part[w];
-    const float inv = 1.0f / sqrtf(total / float(K) + eps);
-    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[t * K + i] = xs[t * K + i] * inv * nw[i];
-    __syncthreads();  // xs complete; part free for the next row
-  }
-}
-
-template <int TT>
-__device__ __forceinline__ void gemv_row(float* __restrict__ y, const float* __restrict__ x,
-                                         const bf16* __restrict__ W, int T, int N, int K, bool accumulate, int n,
-                                         int lane) {
-  const bf16* w = W + size_t(n) * K;
-  float acc[TT];
+// One warp computes output rows n0 .. n0 + kGemvRows - 1 of y[T, N] = xn[T, K] W[N, K]^T for all
+// T <= TT tokens, each weight row read once. xn = x, or with NORM xn = rmsnorm(x) * nw, computed as
+// inv_t * (W (x * nw)): every lane reads its share of x for the dot products anyway, so the sum of
+// squares costs no extra pass, no shared memory and no block barrier before the weights stream.
+// The first round of weight loads is issued BEFORE pdl_wait(): no kernel writes weights, so under
+// programmatic launch they stream in while the previous kernel finishes. Calls pdl_wait() /
+// pdl_launch_dependents() itself; every thread of the block must call it (warps past N only
+// wait). inv_out[t] gets inv_t (NORM, n0 < N).
+template <int TT, bool NORM>
+__device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __restrict__ x,
+                                          const float* __restrict__ nw, float eps, const bf16* __restrict__ W, int T,
+                                          int N, int K, bool accumulate, int n0, int lane, float* inv_out = nullptr) {
+  constexpr int NR = kGemvRows, CH = kLoads / kGemvRows;
+  const int nr = max(0, min(NR, N - n0));
+  const bf16* w = W + size_t(nr > 0 ? n0 : 0) * K;
+  float acc[NR][TT], ss[TT];
 #pragma unroll
-  for (int t = 0; t < TT; ++t) acc[t] = 0.f;
+  for (int t = 0; t < TT; ++t) {
+    ss[t] = 0.f;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r][t] = 0.f;
+  }
   if ((K & 7) == 0) {
     const int K8 = K >> 3;
-#pragma unroll 4
-    for (int i = lane; i < K8; i += 32) {
-      const uint4 wv = ldg16(w + 8 * i);
+    uint4 wv[NR][CH] = {};
+    load_row_chunks(wv, w, K, nr, lane, K8);
+    pdl_wait();
+    pdl_launch_dependents();
+    if (nr == 0) return;
+    for (int base = lane; base < K8; base += 32 * CH) {
+      if (base > lane) load_row_chunks(wv, w, K, nr, base, K8);
 #pragma unroll
-      for (int t = 0; t < TT; ++t)
-        if (t < T) acc[t] += dot8(wv, x + size_t(t) * K + 8 * i);
+      for (int j = 0; j < CH; ++j) {
+        const int i = base + 32 * j;
+        if (i >= K8) break;
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          if (t >= T) break;
+          const float* xi = x + size_t(t) * K + 8 * i;
+          float4 a = *reinterpret_cast<const float4*>(xi), b = *reinterpret_cast<const float4*>(xi + 4);
+          if constexpr (NORM) {
+            const float4 c = *reinterpret_cast<const float4*>(nw + 8 * i), d = *reinterpret_cast<const float4*>(nw + 8 * i + 4);
+            ss[t] = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(a.z, a.z, fmaf(a.w, a.w, ss[t]))));
+            ss[t] = fmaf(b.x, b.x, fmaf(b.y, b.y, fmaf(b.z, b.z, fmaf(b.w, b.w, ss[t]))));
+            a = make_float4(a.x * c.x, a.y * c.y, a.z * c.z, a.w * c.w);
+            b = make_float4(b.x * d.x, b.y * d.y, b.z * d.z, b.w * d.w);
+          }
+#pragma unroll
+          for (int r = 0; r < NR; ++r) acc[r][t] += dot8(wv[r][j], a, b);
+        }
+      }
     }
   } else {
+    pdl_wait();
+    pdl_launch_dependents();
+    if (nr == 0) return;
     for (int i = lane; i < K; i += 32) {
-      const float wv = bf(w[i]);
 #pragma unroll
-      for (int t = 0; t < TT; ++t)
-        if (t < T) acc[t] = fmaf(wv, x[size_t(t) * K + i], acc[t]);
+      for (int t = 0; t < TT; ++t) {
+        if (t >= T) break;
+        float xv = x[size_t(t) * K + i];
+        if constexpr (NORM) {
+          ss[t] = fmaf(xv, xv, ss[t]);
+          xv *= nw[i];
+        }
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+          if (r < nr) acc[r][t] = fmaf(bf(w[size_t(r) * K + i]), xv, acc[r][t]);
+      }
     }
   }
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     if (t >= T) break;
-    const float s = warp_sum(acc[t]);
-    if (lane == 0) {
-      float* dst = y + size_t(t) * N + n;
-      *dst = accumulate ? *dst + s : s;
+    float inv = 1.f;
+    if constexpr (NORM) {
+      inv = 1.0f / sqrtf(warp_sum(ss[t]) / float(K) + eps);  // as rmsnorm() computes it
+      if (inv_out) inv_out[t] = inv;
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float s = warp_sum(acc[r][t]) * inv;
+      if (lane == 0 && r < nr) {
+        float* dst = y + size_t(t) * N + n0 + r;
+        *dst = accumulate ? *dst + s : s;
+      }
     }
   }
 }
@@ -186,16 +233,8 @@ template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
                                                            bool accumulate, const float* __restrict__ nw, float eps) {
-  extern __shared__ float4 xs4[];  // NORM: rmsnorm(x), T * K floats
-  float* xs = reinterpret_cast<float*>(xs4);
-  const int n = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  // The prefetch pays only where a norm prologue delays the weight loads: without one it made a
-  // 14336 x 4096 GEMV 23% slower (33.1 -> 40.8 us, tiermoe_cuda_check timing, H200).
-  if (NORM && n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
-  pdl_wait();
-  pdl_launch_dependents();
-  if constexpr (NORM) block_norm_to_smem(xs, x, nw, T, K, eps);
-  if (n < N) gemv_row<TT>(y, NORM ? xs : x, W, T, N, K, accumulate, n, threadIdx.x & 31);
+  const int n0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kGemvRows;
+  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31);
 }
 
 // Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
@@ -209,8 +248,6 @@ struct GemvSegs {
 template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
                                                             int K, const float* __restrict__ nw, float eps) {
-  extern __shared__ float4 xs4[];  // NORM: rmsnorm(x), T * K floats
-  float* xs = reinterpret_cast<float*>(xs4);
   const int b = blockIdx.x;
   const int s = b < segs.end_block[0] ? 0 : (b < segs.end_block[1] ? 1 : 2);
   const int first = s == 0 ? 0 : (s == 1 ? segs.end_block[0] : segs.end_block[1]);
@@ -218,12 +255,8 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   float* y = s == 0 ? segs.y[0] : (s == 1 ? segs.y[1] : segs.y[2]);
   const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
   const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
-  const int n = (b - first) * kWarps + (threadIdx.x >> 5);
-  if (NORM && n < N) prefetch_row_l2(W + size_t(n) * K, K, threadIdx.x & 31);
-  pdl_wait();
-  pdl_launch_dependents();
-  if constexpr (NORM) block_norm_to_smem(xs, x, nw, T, K, eps);
-  if (n < N) gemv_row<TT>(y, NORM ? xs : x, W, T, N, K, false, n, threadIdx.x & 31);
+  const int n0 = ((b - first) * kWarps + (threadIdx.x >> 5)) * kGemvRows;
+  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31);
 }
 
 // One warp routes one token: l[E] -> ids[K], weights[K]. Each lane holds experts lane, lane+32, ...
@@ -286,8 +319,9 @@ __global__ void route_topk_kernel(int32_t* ids, float* weights, const float* log
   route_token(ids + t * K, weights + t * K, logits + t * E, E, K, renormalize, threadIdx.x);
 }
 
-// grid ceil(E / kWarps): h = rmsnorm(x) (block 0 writes it), logits = h Wr^T (one warp per expert,
-// all T rows), then the last block to finish routes every token (one warp per token).
+// grid ceil(E / kGemvBlockRows): logits = rmsnorm(x) Wr^T (kGemvRows experts per warp, all
+// T rows; block 0's first warp also writes h = rmsnorm(x)), then the last block to finish routes every token (one
+// warp per token).
 template <int TT>
 __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restrict__ h, float* __restrict__ logits,
                                                                 int32_t* ids, float* weights, unsigned* counter,
@@ -295,17 +329,13 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
                                                                 const float* __restrict__ nw, float eps,
                                                                 const bf16* __restrict__ Wr, int T, int E, int K,
                                                                 int D, bool renormalize) {
-  extern __shared__ float4 xs4[];  // rmsnorm(x), T * D floats
-  float* xs = reinterpret_cast<float*>(xs4);
   __shared__ bool is_last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, e = blockIdx.x * kWarps + warp;
-  if (e < E) prefetch_row_l2(Wr + size_t(e) * D, D, lane);
-  pdl_wait();
-  pdl_launch_dependents();
-  block_norm_to_smem(xs, x, nw, T, D, eps);
-  if (blockIdx.x == 0)
-    for (int i = threadIdx.x; i < T * D; i += blockDim.x) h[i] = xs[i];
-  if (e < E) gemv_row<TT>(logits, xs, Wr, T, E, D, false, e, lane);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float inv[TT];
+  gemv_rows<TT, true>(logits, x, nw, eps, Wr, T, E, D, false, (blockIdx.x * kWarps + warp) * kGemvRows, lane, inv);
+  if (blockIdx.x == 0 && warp == 0)  // expert 0 exists: inv[] is set
+    for (int t = 0; t < T; ++t)
+      for (int i = lane; i < D; i += 32) h[size_t(t) * D + i] = x[size_t(t) * D + i] * inv[t] * nw[i];
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -352,62 +382,72 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restr
   if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
 }
 
-// grid (ceil(D / kWarps), T): one warp per (t, d), summing over the K selected experts.
+// grid (ceil(D / R), T), R = kDownRows * max(1, kWarps / K) output rows per block. The block's jobs
+// (job j: expert k = j % K, rows d0 + kDownRows * (j / K) + 0 .. kDownRows - 1) go to its warps
+// round-robin; a warp streams its job's rows together (kLoads loads per lane in flight), so a
+// block keeps enough loads in flight even at small K and no warp waits on another expert. The
+// block then sums each row's K partials in k order (deterministic), weighted, into x (the
+// residual add).
 __global__ void __launch_bounds__(kWarps * 32) moe_down_kernel(float* __restrict__ x, const float* __restrict__ act,
                                                                const bf16* __restrict__ Wd,
                                                                const int32_t* __restrict__ ids,
                                                                const float* __restrict__ weights, int K, int D,
-                                                               int F) {
+                                                               int F, int R) {
+  constexpr int NR = kDownRows, CH = kLoads / kDownRows;
+  __shared__ float part[kDownRows * kRouteMaxK];  // [R, K], R * K <= kDownRows * max(kWarps, K)
   pdl_wait();
   pdl_launch_dependents();
-  const int lane = threadIdx.x & 31;
-  const int d = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int t = blockIdx.y;
-  if (d >= D) return;
-  float part = 0.f;  // this lane's share of sum_k w_k * dot(Wd[e_k][d], act[t, k])
-  if ((F & 7) == 0 && K <= kMoeMaxK) {
-    // The K experts' rows side by side, so that their loads are in flight together.
-    const int F8 = F >> 3;
-    const bf16* w[kMoeMaxK];
-    float s[kMoeMaxK];
+  const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R;
+  for (int j = threadIdx.x >> 5; j < K * (R / NR); j += kWarps) {
+    const int k = j % K, r0 = NR * (j / K), nr = max(0, min(NR, D - (d0 + r0)));
+    const bf16* w = Wd + (size_t(ids[t * K + k]) * D + d0 + r0) * F;
+    const float* a = act + (size_t(t) * K + k) * F;
+    float s[NR] = {};
+    if ((F & 7) == 0) {
+      const int F8 = F >> 3;
+      for (int base = lane; base < F8; base += 32 * CH) {
+        uint4 wv[NR][CH];
+        load_row_chunks(wv, w, F, nr, base, F8);
 #pragma unroll
-    for (int k = 0; k < kMoeMaxK; ++k) {
-      w[k] = k < K ? Wd + (size_t(ids[t * K + k]) * D + d) * F : nullptr;
-      s[k] = 0.f;
+        for (int c = 0; c < CH; ++c) {
+          if (base + 32 * c >= F8) break;
+          const float* ac = a + 8 * (base + 32 * c);
+          const float4 lo = *reinterpret_cast<const float4*>(ac), hi = *reinterpret_cast<const float4*>(ac + 4);
+#pragma unroll
+          for (int r = 0; r < NR; ++r)
+            if (r < nr) s[r] += dot8(wv[r][c], lo, hi);
+        }
+      }
+    } else {
+      for (int i = lane; i < F; i += 32)
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+          if (r < nr) s[r] = fmaf(bf(w[size_t(r) * F + i]), a[i], s[r]);
     }
-    const float* a = act + size_t(t) * K * F;
-#pragma unroll 2
-    for (int i = lane; i < F8; i += 32) {
 #pragma unroll
-      for (int k = 0; k < kMoeMaxK; ++k)
-        if (k < K) s[k] += dot8(ldg16(w[k] + 8 * i), a + size_t(k) * F + 8 * i);
-    }
-#pragma unroll
-    for (int k = 0; k < kMoeMaxK; ++k)
-      if (k < K) part = fmaf(weights[t * K + k], s[k], part);
-  } else {
-    for (int k = 0; k < K; ++k) {
-      const int tk = t * K + k;
-      const bf16* w = Wd + (size_t(ids[tk]) * D + d) * F;
-      const float* a = act + size_t(tk) * F;
-      float s = 0.f;
-      for (int i = lane; i < F; i += 32) s = fmaf(bf(w[i]), a[i], s);
-      part = fmaf(weights[tk], s, part);
+    for (int r = 0; r < NR; ++r) {
+      const float v = warp_sum(s[r]);
+      if (lane == 0) part[(r0 + r) * K + k] = v;
     }
   }
-  const float total = warp_sum(part);
-  if (lane == 0) x[size_t(t) * D + d] += total;
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r < R && d0 + r < D) {
+    float total = 0.f;
+    for (int k = 0; k < K; ++k) total = fmaf(weights[t * K + k], part[r * K + k], total);
+    x[size_t(t) * D + d0 + r] += total;
+  }
 }
 
-__global__ void moe_act_masked_kernel(__nv_bfloat16* act, const float* gu, const int32_t* ids, const float* weights,
-                                      int e, int T, int K, int F) {
+__global__ void moe_act_masked_kernel(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* gu, const int32_t* ids,
+                                      const float* weights, int e, int T, int K, int F) {
   const size_t n = size_t(T) * F;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const size_t t = i / F, f = i % F;
     float w = 0.f;
     for (int k = 0; k < K; ++k)
       if (ids[t * K + k] == e) w = weights[t * K + k];
-    act[i] = __float2bfloat16_rn(w == 0.f ? 0.f : silu(gu[t * 2 * F + f]) * gu[t * 2 * F + F + f] * w);
+    store_bf16_split(hi, lo, i, w == 0.f ? 0.f : silu(gu[t * 2 * F + f]) * gu[t * 2 * F + F + f] * w);
   }
 }
 
@@ -590,30 +630,23 @@ cudaError_t add_sigmoid_scaled(float* x, const float* y, const float* g, int T, 
   return cudaGetLastError();
 }
 
-cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s) {
-  to_bf16_kernel<<<grid_for(n), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(y), x, n);
+cudaError_t to_bf16(bf16* hi, bf16* lo, const float* x, size_t n, cudaStream_t s) {
+  to_bf16_kernel<<<grid_for(n), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(hi), reinterpret_cast<__nv_bfloat16*>(lo),
+                                             x, n);
   return cudaGetLastError();
-}
-
-// Kernels that stage rmsnorm(x) in dynamic shared memory may take up to kNormSmemBytes of it (set
-// per kernel; a host call, not a stream operation, so allowed while a graph is captured).
-template <class Kernel>
-cudaError_t allow_norm_smem(Kernel* k) {
-  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kNormSmemBytes);
 }
 
 template <int TT>
 cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
                         float eps, cudaStream_t s) {
-  const unsigned grid = unsigned((N + kWarps - 1) / kWarps);
+  const unsigned grid = unsigned((N + kGemvBlockRows - 1) / kGemvBlockRows);
   if (!nw) return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps);
-  if (const cudaError_t e = allow_norm_smem(gemv_kernel<TT, true>); e != cudaSuccess) return e;
-  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, size_t(T) * K * 4, s, y, x, W, T, N, K, accumulate, nw, eps);
+  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps);
 }
 
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
                  const float* norm_w, float eps) {
-  if (T <= 0 || T > kGemvMaxT || (norm_w && !gemv_norm_fits(T, K))) return cudaErrorInvalidValue;
+  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
   cudaError_t e;
   if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
   else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
@@ -626,17 +659,16 @@ template <int TT>
 cudaError_t launch_gemv3(const GemvSegs& g, int blocks, const float* x, int T, int K, const float* nw, float eps,
                          cudaStream_t s) {
   if (!nw) return launch(gemv3_kernel<TT, false>, blocks, kWarps * 32, 0, s, g, x, T, K, nw, eps);
-  if (const cudaError_t e = allow_norm_smem(gemv3_kernel<TT, true>); e != cudaSuccess) return e;
-  return launch(gemv3_kernel<TT, true>, blocks, kWarps * 32, size_t(T) * K * 4, s, g, x, T, K, nw, eps);
+  return launch(gemv3_kernel<TT, true>, blocks, kWarps * 32, 0, s, g, x, T, K, nw, eps);
 }
 
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
                   int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w, float eps) {
-  if (T <= 0 || T > kGemvMaxT || (norm_w && !gemv_norm_fits(T, K))) return cudaErrorInvalidValue;
+  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
   GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}};
   int end = 0;
   for (int i = 0; i < 3; ++i) {
-    end += (g.N[i] + kWarps - 1) / kWarps;
+    end += (g.N[i] + kGemvBlockRows - 1) / kGemvBlockRows;
     g.end_block[i] = end;
   }
   cudaError_t e;
@@ -649,7 +681,7 @@ cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, 
 
 cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
                        cudaStream_t s) {
-  if (E > kRouteMaxE || K > 32 || K > E) return cudaErrorInvalidValue;
+  if (E > kRouteMaxE || K > kRouteMaxK || K > E) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   route_topk_kernel<<<T, 32, 0, s>>>(ids, weights, logits, E, K, renormalize);
   return cudaGetLastError();
@@ -658,16 +690,13 @@ cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T,
 cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, unsigned* counter, const float* x,
                       const float* norm_w, float eps, const bf16* Wr, int T, int E, int K, int D, bool renormalize,
                       cudaStream_t s) {
-  if (E > kRouteMaxE || K > 32 || K > E || T > kGemvMaxT || !gemv_norm_fits(T, D)) return cudaErrorInvalidValue;
+  if (E > kRouteMaxE || K > kRouteMaxK || K > E || T > kGemvMaxT) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const unsigned grid = unsigned((E + kWarps - 1) / kWarps);
-  const int th = kWarps * 32;
-  const size_t smem = size_t(T) * D * 4;
+  const unsigned grid = unsigned((E + kGemvBlockRows - 1) / kGemvBlockRows);
   cudaError_t e;
-#define TIERMOE_MOE_ROUTE(TT)                                                                                      \
-  if ((e = allow_norm_smem(moe_route_kernel<TT>)) == cudaSuccess)                                                  \
-    e = launch(moe_route_kernel<TT>, grid, th, smem, s, h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, \
-               D, renormalize);
+#define TIERMOE_MOE_ROUTE(TT) \
+  e = launch(moe_route_kernel<TT>, grid, kWarps * 32, 0, s, h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, \
+             D, renormalize);
   if (T == 1) { TIERMOE_MOE_ROUTE(1) }
   else if (T == 2) { TIERMOE_MOE_ROUTE(2) }
   else if (T <= 4) { TIERMOE_MOE_ROUTE(4) }
@@ -685,14 +714,16 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  return launch(moe_down_kernel, dim3((D + kWarps - 1) / kWarps, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D,
-                F);
+  if (K < 1 || K > kRouteMaxK) return cudaErrorInvalidValue;
+  const int R = kDownRows * std::max(1, kWarps / K);
+  return launch(moe_down_kernel, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F, R);
 }
 
-cudaError_t moe_act_masked(bf16* act, const float* gu, const int32_t* ids, const float* weights, int e, int T, int K,
-                           int F, cudaStream_t s) {
-  moe_act_masked_kernel<<<grid_for(size_t(T) * F), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(act), gu, ids,
-                                                                 weights, e, T, K, F);
+cudaError_t moe_act_masked(bf16* hi, bf16* lo, const float* gu, const int32_t* ids, const float* weights, int e, int T,
+                           int K, int F, cudaStream_t s) {
+  moe_act_masked_kernel<<<grid_for(size_t(T) * F), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(hi),
+                                                                 reinterpret_cast<__nv_bfloat16*>(lo), gu, ids, weights,
+                                                                 e, T, K, F);
   return cudaGetLastError();
 }
 

@@ -16,14 +16,12 @@ using bf16 = uint16_t;  // BF16 bits in device memory
 
 constexpr int kGemvMaxT = 8;      // gemv() handles T <= this; larger T goes to cuBLAS
 constexpr int kRouteMaxE = 256;   // route_topk(): experts per token at most
+constexpr int kRouteMaxK = 32;    // route_topk(), moe_route(), moe_down(): top-k at most
 constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
-// gemv()/gemv3()/moe_route() with an input norm stage rmsnorm(x[T, K]) in shared memory: T * K
-// floats at most.
-constexpr int kGemvNormMaxFloats = 16384;
-constexpr bool gemv_norm_fits(int T, int K) { return size_t(T) * size_t(K) <= size_t(kGemvNormMaxFloats); }
 
 // Programmatic dependent launch for the decode kernels (gemv, gemv3, qk_norm_rope,
-// attention_decode, moe_route, moe_gate_up, moe_down): see dependent_launch.cuh. Off by default.
+// attention_decode, moe_route, moe_gate_up, moe_down): see dependent_launch.cuh. Off here by default;
+// the CUDA backend turns it on (TIERMOE_CUDA_PDL=0 keeps it off).
 void set_programmatic_launch(bool on);
 
 // x[T, D] = table[ids[t], D]                                   twin: the CPU embedding copy
@@ -49,12 +47,14 @@ cudaError_t silu_mul_gu(float* act, const float* gu, int T, int F, cudaStream_t 
 // x[T, D] += sigmoid(g[T]) * y[T, D]   (Qwen2-MoE shared expert)
 cudaError_t add_sigmoid_scaled(float* x, const float* y, const float* g, int T, int D, cudaStream_t s);
 
-// y[n] = bf16(x[n])
-cudaError_t to_bf16(bf16* y, const float* x, size_t n, cudaStream_t s);
+// hi[n] = bf16(x[n]); with lo, also lo[n] = bf16(x[n] - hi[n]), so that hi + lo carries x to about
+// 2^-16 relative: two BF16 GEMMs then give FP32-level products (the prompt path's activations).
+cudaError_t to_bf16(bf16* hi, bf16* lo, const float* x, size_t n, cudaStream_t s);
 
 // y[T, N] (= or +=) x[T, K] @ W[N, K]^T for T <= kGemvMaxT: memory-bound GEMV, one warp per
-// output row, 16-byte weight loads when K % 8 == 0. With norm_w, x is used as rmsnorm(x, norm_w,
-// eps), recomputed by every block into shared memory (x is small, in L2); needs gemv_norm_fits(T, K).
+// output row, 16-byte weight loads when K % 8 == 0, the first of them issued before the kernel
+// waits on its predecessor (programmatic launch). With norm_w, x is used as rmsnorm(x, norm_w,
+// eps), computed as inv_t * (W (x * norm_w)) with each warp gathering the sum of squares itself.
 //                                                                twin: matmul / matmul_add
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
                  const float* norm_w = nullptr, float eps = 0.f);
@@ -68,7 +68,7 @@ cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, 
 cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
                        cudaStream_t s);
 
-// The router of a small-batch MoE layer in one launch, T <= kGemvMaxT and gemv_norm_fits(T, D):
+// The router of a small-batch MoE layer in one launch, T <= kGemvMaxT:
 // h[T, D] = rmsnorm(x, norm_w),
 // logits[T, E] = h Wr^T, then route_topk() on them by the last block to finish (counter: one
 // unsigned, zero before the first launch, left zero).  twin: rmsnorm + matmul + route_softmax_topk
@@ -99,10 +99,10 @@ cudaError_t moe_grouped_down(float* y, const float* act, const bf16* Wd, const i
                              int D, int F, cudaStream_t s);
 cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, int K, int D, cudaStream_t s);
 
-// Large-batch MoE helper, for expert e: act[T, F] = bf16(silu(gu[t, 0:F]) * gu[t, F:2F] * w_te),
-// w_te the routing weight of e for token t (0 when t did not pick e).
-cudaError_t moe_act_masked(bf16* act, const float* gu, const int32_t* ids, const float* weights, int e, int T, int K,
-                           int F, cudaStream_t s);
+// Large-batch MoE helper, for expert e: a[T, F] = silu(gu[t, 0:F]) * gu[t, F:2F] * w_te, w_te the
+// routing weight of e for token t (0 when t did not pick e), written as to_bf16(hi, lo, a) does.
+cudaError_t moe_act_masked(bf16* hi, bf16* lo, const float* gu, const int32_t* ids, const float* weights, int e, int T,
+                           int K, int F, cudaStream_t s);
 
 // KV cache rows [capacity, Hkv, Dh] in BF16: row pos[t] <- k[t], v[t] (row = Hkv*Dh values).
 cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,

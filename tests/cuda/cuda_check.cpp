@@ -214,6 +214,23 @@ void check_rmsnorm_rope_misc() {
     CK(cu::silu_mul_gu(da.p, dgu.p, T, F, 0));
     report("silu_mul_gu T=3 F=37", rel(da.get(), ref), 1e-6);
   }
+  {  // the prompt path's activations: hi = bf16(x), lo = bf16(x - hi), against the CPU's rounding
+    auto x = randn(1000, 3.f);
+    x[0] = 0.f, x[1] = 1e-30f, x[2] = -65504.f;
+    std::vector<uint16_t> hi(x.size()), lo(x.size());
+    std::vector<float> sum(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      hi[i] = f32_to_bf16(x[i]);
+      lo[i] = f32_to_bf16(x[i] - bf16_to_f32(hi[i]));
+      sum[i] = bf16_to_f32(hi[i]) + bf16_to_f32(lo[i]);
+    }
+    Dev<float> dx(x);
+    Dev<uint16_t> dhi(x.size()), dlo(x.size());
+    CK(cu::to_bf16(dhi.p, dlo.p, dx.p, x.size(), 0));
+    const bool exact = dhi.get() == hi && dlo.get() == lo;
+    report("to_bf16 hi + lo n=1000 (hi + lo vs x)", rel(sum, x), 2e-5, exact ? "parts equal the CPU's" : "parts DIFFER");
+    if (!exact) ++g_fail;
+  }
   {
     const int T = 4, V = 50, D = 24;
     auto table = randn(size_t(V) * D);
@@ -348,7 +365,11 @@ void report_moe(const std::string& name, const MoeCase& c, const MoeData& m, Lay
 
 void check_moe() {
   for (MoeCase c : {MoeCase{1, 8, 2, 64, 32}, MoeCase{3, 256, 8, 48, 8}, MoeCase{1, 128, 8, 2048, 768},
-                    MoeCase{2, 16, 4, 100, 36}, MoeCase{8, 64, 8, 64, 32}, MoeCase{1, 8, 2, 4096, 1024}}) {
+                    MoeCase{2, 16, 4, 100, 36}, MoeCase{8, 64, 8, 64, 32}, MoeCase{1, 8, 2, 4096, 1024},
+                    // moe_down's job split: K = 1 and 3 (several rows per block), 16 (more jobs than warps),
+                    // rows longer than one round of loads (Mixtral's F)
+                    MoeCase{2, 4, 1, 40, 24}, MoeCase{3, 16, 3, 72, 40}, MoeCase{1, 32, 16, 64, 24},
+                    MoeCase{1, 8, 2, 128, 14336}}) {
     const MoeData m = moe_case(c);
     Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dwt(m.w);
     Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
