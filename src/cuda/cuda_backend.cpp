@@ -196,9 +196,11 @@ class CudaKvCache final : public KvCache {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
-    // A/B switches for timing and checks: graphs, split prompt activations, programmatic launch.
+    // A/B switches for timing and checks: graphs, split prompt activations, prompt chunk size,
+    // programmatic launch.
     if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;
     if (const char* e = std::getenv("TIERMOE_CUDA_SPLIT"); e && e[0] == '0') opts_.split_activations = false;
+    if (const char* e = std::getenv("TIERMOE_CUDA_CHUNK")) opts_.max_chunk = std::clamp(std::atoi(e), 1, 1 << 16);
     read_switches();
     const char* pdl = std::getenv("TIERMOE_CUDA_PDL");
     cuda::set_programmatic_launch(!(pdl && pdl[0] == '0'));
