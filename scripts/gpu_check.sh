@@ -81,7 +81,7 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
              "qwen3-30b-a3b-L16-v8192.json 16 128 3" "qwen3-30b-a3b-L16-v8192.json 4096 64 2"; do
     set -- $row
     for round in 1 2; do
-      for v in old new new-nopdl new-bf16prompt; do
+      for v in ${AB_VARIANTS:-old new new-nopdl new-bf16prompt}; do
         bin=$C; [ $v = old ] && bin=$OLD_BIN
         pdl=1; [ $v = new-nopdl ] && pdl=0
         split=1; [ $v = new-bf16prompt ] && split=0

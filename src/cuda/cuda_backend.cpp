@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -309,8 +310,9 @@ class CudaBackend final : public Backend {
   unsigned* split_counters_;  // attention_decode's, zero between launches
   unsigned* route_counter_;   // moe_route's, likewise
   // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
-  // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the masked cuBLAS path; Fused: the
-  // per-(token, k) kernels up to T = kGemvMaxT, then masked; Unfused: masked at every T.
+  // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the expert GEMMs on the tensor cores
+  // (moe_prefill.cu); Fused: the per-(token, k) kernels up to T = kGemvMaxT, then the expert
+  // GEMMs; Unfused: router GEMV, top-k, sort/pad and the expert GEMMs at every T (the baseline).
   enum class MoeMode { Grouped, Fused, Unfused };
   // The defaults: the configuration checked and timed on the H200 (docs/cuda.md, c4c5c71).
   static constexpr MoeMode kDefaultMoe = MoeMode::Grouped;
@@ -318,7 +320,8 @@ class CudaBackend final : public Backend {
   MoeMode moe_mode_ = kDefaultMoe;
   int grouped_min_t_ = 2;  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels
   static constexpr int kMoeGroupedMaxT = 64;
-  float* moe_y_ = nullptr;  // grouped down projection, [min(Tm, kMoeGroupedMaxT) * K, D]
+  float* moe_y_ = nullptr;  // grouped / expert-GEMM down projection, [(t, k) rows, D]
+  int32_t *moe_rows_ = nullptr, *moe_tiles_ = nullptr;  // moe_sort's output for prompt chunks
   // One attention launch for B sequences of one token each (TIERMOE_CUDA_BATCH_ATTN=0: one per
   // sequence): their caches' rows, per layer [K pointers of the B sequences, V pointers], on the
   // device and pinned on the host; the split count of the pass (0: attention per piece).
@@ -326,8 +329,7 @@ class CudaBackend final : public Backend {
   bf16 **kv_ptrs_ = nullptr, **h_kv_ptrs_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
-  bf16 *xb_, *actb_;                        // prompt-path GEMM inputs in BF16 (the hi parts)
-  bf16 *xb_lo_ = nullptr, *actb_lo_ = nullptr;  // and their lo parts (split_activations)
+  bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
   float* h_logits_ = nullptr;
@@ -337,12 +339,15 @@ class CudaBackend final : public Backend {
   // Captured decode steps, one per (KV buffers, capacity, attention split count, logits wanted):
   // a sequence that grows through several split counts, or a cache emptied and refilled, replays
   // graphs captured before instead of capturing again.
+  // A captured step: batch 1 is tied to its cache's buffers (k, v, capacity); a batch of B
+  // sequences (one token each) reads its caches through kv_ptrs_, so only B matters.
   struct GraphKey {
     const void *k = nullptr, *v = nullptr;  // both: a new cache may reuse a freed K address only
-    int cap = 0, n_splits = 0, n_logits = 0;
+    int cap = 0, n_splits = 0, n_logits = 0, batch = 1;
     auto operator<=>(const GraphKey&) const = default;
   };
   std::map<GraphKey, cudaGraphExec_t> graphs_;
+  std::set<GraphKey> batch_keys_seen_;  // a batch step is captured the second time its key comes
 };
 
 // The A/B switches of the MoE kernels and the batched attention, read at every pass (a few
@@ -380,10 +385,16 @@ void CudaBackend::alloc_workspace() {
   att_ = dalloc<float>(owned_, size_t(Tm) * H * Dh);
   k_ = dalloc<float>(owned_, size_t(Tm) * Hkv * Dh);
   v_ = dalloc<float>(owned_, size_t(Tm) * Hkv * Dh);
-  gu_ = dalloc<float>(owned_, size_t(Tm) * 2 * F);
-  const size_t moe_rows = size_t(std::max(std::min(Tm, kMoeGroupedMaxT), cuda::kGemvMaxT)) * K;  // (t, k) rows
-  act_ = dalloc<float>(owned_, std::max(size_t(Tm) * F, moe_rows * F));
+  // (t, k) rows of the MoE scratch: a whole chunk's for the prompt path's expert GEMMs.
+  const size_t moe_rows = cfg_.num_experts > 0 ? size_t(Tm) * K : size_t(cuda::kGemvMaxT) * K;
+  gu_ = dalloc<float>(owned_, std::max(size_t(Tm), moe_rows) * 2 * F);
+  act_ = dalloc<float>(owned_, std::max(size_t(Tm), moe_rows) * F);
   moe_y_ = dalloc<float>(owned_, moe_rows * D);
+  if (cfg_.num_experts > 0) {
+    const int P = cuda::moe_sort_rows(int(moe_rows), E);
+    moe_rows_ = dalloc<int32_t>(owned_, size_t(P));
+    moe_tiles_ = dalloc<int32_t>(owned_, size_t(P / cuda::kMoeTileM));
+  }
   router_ = dalloc<float>(owned_, size_t(Tm) * E);
   wts_ = dalloc<float>(owned_, size_t(Tm) * K);
   topk_ = dalloc<int32_t>(owned_, size_t(Tm) * K);
@@ -392,11 +403,7 @@ void CudaBackend::alloc_workspace() {
   ids_ = dalloc<int32_t>(owned_, size_t(Tm));
   pos_ = dalloc<int32_t>(owned_, size_t(Tm));
   xb_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
-  actb_ = dalloc<bf16>(owned_, size_t(Tm) * F);
-  if (opts_.split_activations) {
-    xb_lo_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
-    actb_lo_ = dalloc<bf16>(owned_, size_t(Tm) * F);
-  }
+  if (opts_.split_activations) xb_lo_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
   // Attention partials: up to 32 splits for a prompt chunk, or one per kDecodeSplit keys at T <= 8.
   const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 16;
   partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
@@ -558,15 +565,17 @@ void CudaBackend::moe(const DLayer& L, int T) {
     CUDA_CK(cuda::moe_gate_up(act_, h_, L.experts_gu, topk_, T, K, F, D, stream_));          // [T, K, F]
     CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_));      // x += ...
   } else {
-    // Prompt chunks: every expert over every token with the routing weight as a row mask (0 for
-    // tokens that did not pick it) -- E/K times the needed FLOPs, but no host sync and all
-    // tensor-core GEMMs. A grouped tensor-core GEMM is the next step.
-    CUDA_CK(cuda::to_bf16(xb_, xb_lo_, h_, size_t(T) * D, stream_));
-    for (int e = 0; e < E; ++e) {
-      gemm_split(gu_, xb_, xb_lo_, L.experts_gu + size_t(e) * 2 * F * D, T, 2 * F, D, false);
-      CUDA_CK(cuda::moe_act_masked(actb_, actb_lo_, gu_, topk_, wts_, e, T, K, F, stream_));
-      gemm_split(x_, actb_, actb_lo_, L.experts_down + size_t(e) * D * F, T, D, F, true);
-    }
+    // Prompt chunks, and every T when unfused (router kernel, sort/pad, grouped GEMM): the
+    // (token, k) entries grouped by expert on the device, then each expert's tokens only through
+    // its weights on the tensor cores; no host sync.
+    const int TK = T * K;
+    CUDA_CK(cuda::moe_sort(moe_rows_, moe_tiles_, topk_, TK, E, stream_));
+    CUDA_CK(cuda::moe_expert_gemm(gu_, h_, K, L.experts_gu, moe_rows_, moe_tiles_, TK, E, 2 * F, D,
+                                  opts_.split_activations, stream_));  // [TK, 2F]
+    CUDA_CK(cuda::silu_mul_gu(act_, gu_, TK, F, stream_));        // [TK, F]
+    CUDA_CK(cuda::moe_expert_gemm(moe_y_, act_, 1, L.experts_down, moe_rows_, moe_tiles_, TK, E, D, F,
+                                  opts_.split_activations, stream_));  // [TK, D]
+    CUDA_CK(cuda::moe_combine(x_, moe_y_, wts_, T, K, D, stream_));  // x += ...
   }
   if (cfg_.shared_expert_ffn > 0) {
     mlp(L.shared_gu, L.shared_down, T, tmp_, false);
@@ -705,14 +714,21 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
     }
   }
 
-  const bool graph = opts_.use_graphs && pieces.size() == 1 && T == 1;
+  // Batch 1 and decode batches (B sequences, one token and one logits row each, one attention
+  // launch) run as captured graphs; a batch key is captured only once it has been seen before,
+  // so one-off batch sizes stay eager (and cuBLAS has run eagerly before any capture).
+  const bool decode_batch = B > 1 && batch_splits_ > 0 && n_logits == B;
+  GraphKey key{nullptr, nullptr, 0, batch_splits_, n_logits, B};
+  if (B == 1) key = {pieces[0].cache->k(0), pieces[0].cache->v(0), pieces[0].cache->capacity(), pieces[0].n_splits, n_logits};
+  bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
+  if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;
   if (graph) {
-    const GraphKey key{pieces[0].cache->k(0), pieces[0].cache->v(0), pieces[0].cache->capacity(), pieces[0].n_splits, n_logits};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       if (graphs_.size() >= 64) {  // bounded: caches come and go
         for (auto& [k, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
         graphs_.clear();
+        batch_keys_seen_.clear();
       }
       cudaGraph_t g = nullptr;
       cudaGraphExec_t exec = nullptr;

@@ -127,16 +127,13 @@ __global__ void add_sigmoid_scaled_kernel(float* x, const float* y, const float*
     x[i] += 1.0f / (1.0f + expf(-g[i / D])) * y[i];
 }
 
-// hi[i] = bf16(v), lo[i] = bf16(v - hi[i]) (lo optional).
-__device__ __forceinline__ void store_bf16_split(__nv_bfloat16* hi, __nv_bfloat16* lo, size_t i, float v) {
-  const __nv_bfloat16 h = __float2bfloat16_rn(v);
-  hi[i] = h;
-  if (lo) lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
-}
-
+// hi[i] = bf16(x[i]), lo[i] = bf16(x[i] - hi[i]) (lo optional).
 __global__ void to_bf16_kernel(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* x, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    store_bf16_split(hi, lo, i, x[i]);
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+    hi[i] = h;
+    if (lo) lo[i] = __float2bfloat16_rn(x[i] - __bfloat162float(h));
+  }
 }
 
 // One warp computes output rows n0 .. n0 + kGemvRows - 1 of y[T, N] = xn[T, K] W[N, K]^T for all
@@ -439,18 +436,6 @@ __global__ void __launch_bounds__(kWarps * 32) moe_down_kernel(float* __restrict
   }
 }
 
-__global__ void moe_act_masked_kernel(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* gu, const int32_t* ids,
-                                      const float* weights, int e, int T, int K, int F) {
-  const size_t n = size_t(T) * F;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const size_t t = i / F, f = i % F;
-    float w = 0.f;
-    for (int k = 0; k < K; ++k)
-      if (ids[t * K + k] == e) w = weights[t * K + k];
-    store_bf16_split(hi, lo, i, w == 0.f ? 0.f : silu(gu[t * 2 * F + f]) * gu[t * 2 * F + F + f] * w);
-  }
-}
-
 __global__ void kv_append_kernel(__nv_bfloat16* kc, __nv_bfloat16* vc, const float* k, const float* v,
                                  const int32_t* pos, int row) {
   const int t = blockIdx.x;
@@ -717,14 +702,6 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
   if (K < 1 || K > kRouteMaxK) return cudaErrorInvalidValue;
   const int R = kDownRows * std::max(1, kWarps / K);
   return launch(moe_down_kernel, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F, R);
-}
-
-cudaError_t moe_act_masked(bf16* hi, bf16* lo, const float* gu, const int32_t* ids, const float* weights, int e, int T,
-                           int K, int F, cudaStream_t s) {
-  moe_act_masked_kernel<<<grid_for(size_t(T) * F), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(hi),
-                                                                 reinterpret_cast<__nv_bfloat16*>(lo), gu, ids, weights,
-                                                                 e, T, K, F);
-  return cudaGetLastError();
 }
 
 cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,

@@ -99,10 +99,20 @@ cudaError_t moe_grouped_down(float* y, const float* act, const bf16* Wd, const i
                              int D, int F, cudaStream_t s);
 cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, int K, int D, cudaStream_t s);
 
-// Large-batch MoE helper, for expert e: a[T, F] = silu(gu[t, 0:F]) * gu[t, F:2F] * w_te, w_te the
-// routing weight of e for token t (0 when t did not pick e), written as to_bf16(hi, lo, a) does.
-cudaError_t moe_act_masked(bf16* hi, bf16* lo, const float* gu, const int32_t* ids, const float* weights, int e, int T,
-                           int K, int F, cudaStream_t s);
+// Prompt-chunk MoE on the tensor cores (moe_prefill.cu), for any number of (token, k) entries TK:
+//   moe_sort:        rows[P] = the entries tk = t * K + k of ids[TK] grouped by expert, each group
+//                    padded with -1 to whole tiles of kMoeTileM rows; tile_expert[P / kMoeTileM] =
+//                    each tile's expert (-1 past the last). P = moe_sort_rows(TK, E). E <= 1024.
+//   moe_expert_gemm: out[tk, 0:N] = in[tk / div, 0:Kd] . W[e, 0:N, 0:Kd]^T for every entry of every
+//                    tile, e = its expert; W[E, N, Kd] BF16; in FP32, split into BF16 hi + lo
+//                    parts (split) or rounded to BF16 once; FP32 accumulation. div = K: in is the
+//                    tokens' hidden states; div = 1: in is per (token, k), like out.
+// twin: the CPU MoE per (t, k) expert matmuls (tests/cuda/cuda_check.cpp).
+constexpr int kMoeTileM = 64;
+int moe_sort_rows(int TK, int E);
+cudaError_t moe_sort(int32_t* rows, int32_t* tile_expert, const int32_t* ids, int TK, int E, cudaStream_t s);
+cudaError_t moe_expert_gemm(float* out, const float* in, int div, const bf16* W, const int32_t* rows,
+                            const int32_t* tile_expert, int TK, int E, int N, int Kd, bool split, cudaStream_t s);
 
 // KV cache rows [capacity, Hkv, Dh] in BF16: row pos[t] <- k[t], v[t] (row = Hkv*Dh values).
 cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,

@@ -348,7 +348,7 @@ MoeData moe_case(const MoeCase& c) {
 // Runs `layer` (x in place) twice from x0 on the same inputs: the error against the CPU twin and
 // whether the two runs gave the same bits; reports the worst element.
 template <class Layer>
-void report_moe(const std::string& name, const MoeCase& c, const MoeData& m, Layer layer) {
+void report_moe(const std::string& name, const MoeCase& c, const MoeData& m, Layer layer, double tol = 1e-5) {
   Dev<float> dx(m.x0), dx2(m.x0);
   layer(dx.p);
   layer(dx2.p);
@@ -357,7 +357,7 @@ void report_moe(const std::string& name, const MoeCase& c, const MoeData& m, Lay
   size_t worst_i = 0;
   for (size_t i = 0; i < got.size(); ++i)
     if (std::fabs(got[i] - m.ref[i]) > std::fabs(got[worst_i] - m.ref[worst_i])) worst_i = i;
-  report(name, rel(got, m.ref), 1e-5,
+  report(name, rel(got, m.ref), tol,
          fmt("rerun %s; worst at t=%zu d=%zu (%.5g vs %.5g)", same ? "bit-identical" : "DIFFERS", worst_i / c.D,
              worst_i % c.D, got[worst_i], m.ref[worst_i]));
   if (!same) ++g_fail;
@@ -407,6 +407,35 @@ void check_moe_grouped() {
                        cu::moe_grouped_down(nullptr, nullptr, nullptr, nullptr, 65, 8, 64, 64, 32, 0) ==
                            cudaErrorInvalidValue;
   report("moe_grouped T=65 K=8 refused (T*K > 512)", refused ? 0.0 : 1.0, 0.0);
+}
+
+// The prompt-chunk MoE: entries sorted by expert into padded tiles, the tensor-core expert GEMMs
+// with the activations split into BF16 hi + lo (FP32-level: the MoE tolerance) and, for contrast,
+// rounded to BF16 once (BF16-level tolerance). Odd D / F take the unvectorized loads; "same
+// experts" puts every token in K experts (several tiles each, the other experts none).
+void check_moe_prefill() {
+  for (MoeCase c : {MoeCase{9, 8, 2, 64, 32}, MoeCase{24, 64, 8, 128, 96}, MoeCase{100, 256, 8, 64, 40},
+                    MoeCase{300, 16, 4, 100, 36}, MoeCase{65, 8, 1, 33, 17}, MoeCase{200, 8, 2, 256, 128, true},
+                    MoeCase{512, 64, 8, 2048, 1024}, MoeCase{40, 8, 2, 4096, 1024}}) {
+    const MoeData m = moe_case(c);
+    const int TK = c.T * c.K, P = cu::moe_sort_rows(TK, c.E);
+    Dev<float> dh(m.h), dgu(size_t(TK) * 2 * c.F), dact(size_t(TK) * c.F), dy(size_t(TK) * c.D), dwt(m.w);
+    Dev<uint16_t> dgw(m.gub), ddn(m.dnb);
+    Dev<int32_t> di(m.ids), rows(P), tiles(P / cu::kMoeTileM);
+    for (bool split : {true, false}) {
+      if (!split && c.T > 100) continue;
+      report_moe(fmt("moe_sort+moe_expert_gemm T=%d E=%d K=%d D=%d F=%d%s%s", c.T, c.E, c.K, c.D, c.F,
+                     c.same_experts ? " same experts" : "", split ? "" : " (BF16 inputs)"),
+                 c, m, [&](float* x) {
+                   dgu.poison(), dact.poison(), dy.poison(), rows.poison();
+                   CK(cu::moe_sort(rows.p, tiles.p, di.p, TK, c.E, 0));
+                   CK(cu::moe_expert_gemm(dgu.p, dh.p, c.K, dgw.p, rows.p, tiles.p, TK, c.E, 2 * c.F, c.D, split, 0));
+                   CK(cu::silu_mul_gu(dact.p, dgu.p, TK, c.F, 0));
+                   CK(cu::moe_expert_gemm(dy.p, dact.p, 1, ddn.p, rows.p, tiles.p, TK, c.E, c.D, c.F, split, 0));
+                   CK(cu::moe_combine(x, dy.p, dwt.p, c.T, c.K, c.D, 0));
+                 }, split ? 5e-5 : 2e-2);  // split: FP32-level (2.0e-5 measured at D = 4096, |x| ~ 37)
+    }
+  }
 }
 
 void check_attention() {
@@ -721,12 +750,14 @@ int bench_main(int argc, char** argv) {
 int batchtable_main(int argc, char** argv) {
   std::string config;
   int ctx = 1024, gen = 16;
+  std::string only;  // --variant NAME: that variant alone
   std::vector<int> batches = {1, 8, 32, 64};
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--config") config = v;
     else if (k == "--ctx") ctx = std::stoi(v);
     else if (k == "--gen") gen = std::stoi(v);
+    else if (k == "--variant") only = v;
     else if (k == "--batches") {
       batches.clear();
       for (size_t at = 0; at < v.size();) {
@@ -768,6 +799,7 @@ int batchtable_main(int argc, char** argv) {
     std::vector<int32_t> tokens_first_variant;
     for (const Variant& v : variants) {
       if (std::strcmp(v.name, "grouped_t1") == 0 && B != 1) continue;  // differs from grouped at T = 1 only
+      if (!only.empty() && only != v.name) continue;
       setenv("TIERMOE_CUDA_MOE", v.moe, 1);
       setenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T", v.min_t, 1);
       setenv("TIERMOE_CUDA_BATCH_ATTN", v.batch_attn, 1);
@@ -847,6 +879,7 @@ int main(int argc, char** argv) {
     check_moe_route();
     check_moe();
     check_moe_grouped();
+    check_moe_prefill();
     check_attention();
     check_attention_decode();
     check_attention_decode_batch();
