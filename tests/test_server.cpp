@@ -408,6 +408,11 @@ TEST(Server, BadBackendFlagsEndWithExitCode2NamingTheFlag) {
       {"generate --prompt-ids 1,2 --backend tpu" + model, "--backend must be cpu or cuda"},
       {"serve --port 0 --load-format dummy" + model, "--load-format dummy needs --backend cuda"},
       {"generate --prompt-ids 1,2 --load-format bogus" + model, "--load-format must be auto or dummy"},
+      {"bench --gen 1 --backend tpu" + model, "--backend must be cpu or cuda"},
+      {"bench --gen 1 --load-format dummy" + model, "--load-format dummy needs --backend cuda"},
+      {"bench --gen 1 --config " + test::repo_path("configs/olmoe-1b-7b-v8192.json"),
+       "bench: --config FILE needs --load-format dummy"},
+      {"bench --gen 1", "bench: give --model DIR (or --config FILE --load-format dummy)"},
   };
   for (const auto& [args, message] : cases) {
     FILE* p = popen((bin + " " + args + " 2>&1").c_str(), "r");

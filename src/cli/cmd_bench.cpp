@@ -16,65 +16,41 @@
 
 namespace tiermoe {
 
-int run_bench(const CommonOptions& c, int prompt_tokens, int gen_tokens, int repeats) {
-  BenchOptions b;
-  b.prompt_tokens = prompt_tokens;
-  b.gen_tokens = gen_tokens;
-  b.repeats = repeats;
-  return run_bench(c, b);
-}
-
 int run_bench(const CommonOptions& c, const BenchOptions& b) {
   const int prompt_tokens = b.prompt_tokens, gen_tokens = b.gen_tokens, repeats = b.repeats;
   if (prompt_tokens < 1 || gen_tokens < 1 || repeats < 1)
     throw InputError("bench: --ctx/--prompt-tokens, --gen and --repeats must be >= 1");
   if (b.batch < 1) throw InputError("bench: --batch must be >= 1");
-  if (b.load_format != "auto" && b.load_format != "dummy")
-    throw InputError("bench: --load-format must be auto or dummy, not '" + b.load_format + "'");
-  if (b.backend != "cpu" && b.backend != "cuda")
-    throw InputError("bench: --backend must be cpu or cuda, not '" + b.backend + "'");
-
-  std::unique_ptr<Engine> engine;  // CPU path: the engine, as every other command
-  std::unique_ptr<ModelWeights> weights;
-  std::unique_ptr<Backend> own_backend;
-  ModelConfig cfg;
+  EngineOptions o = engine_options(c);  // --backend, --load-format, --kv... checked as by every command
+  if (!b.config_file.empty()) {
+    if (c.load_format != "dummy") throw InputError("bench: --config FILE needs --load-format dummy");
+    if (!c.model_dir.empty()) throw InputError("bench: give --model DIR or --config FILE, not both");
+    o.model_dir = b.config_file;
+  } else if (c.model_dir.empty()) {
+    throw InputError("bench: give --model DIR (or --config FILE --load-format dummy)");
+  }
+  Engine engine(o);
+  Backend& backend = engine.backend();
+  const ModelConfig& cfg = engine.config();
   double copy_bw = 0;
   std::string device = "cpu";
-  if (b.backend == "cpu") {
-    if (b.load_format == "dummy") throw InputError("bench: --load-format dummy needs --backend cuda");
-    if (c.model_dir.empty()) throw InputError("bench: give --model DIR");
-    engine = std::make_unique<Engine>(engine_options(c));  // --kv, --kv-config, --kv-profile as every command
-    cfg = engine->config();
-  } else {
-#if TIERMOE_HAVE_CUDA
-    if (b.load_format == "dummy") {
-      if (b.config_file.empty()) throw InputError("bench: --load-format dummy needs --config FILE");
-      cfg = parse_config(read_text_file(b.config_file), b.config_file);
-      own_backend = make_cuda_backend_dummy(cfg);
-    } else {
-      if (c.model_dir.empty()) throw InputError("bench: give --model DIR (or --config FILE --load-format dummy)");
-      weights = load_weights(c.model_dir);
-      cfg = weights->cfg;
-      own_backend = make_cuda_backend(*weights);
-    }
+  if (c.backend == "cuda") {
+#if TIERMOE_HAVE_CUDA  // the engine has refused --backend cuda otherwise
     copy_bw = cuda_copy_bandwidth();
     device = cuda_device_name();
-#else
-    throw InputError("bench: this build has no CUDA backend (nvcc was not found at configure time)");
 #endif
   }
-  Backend& backend = engine ? engine->backend() : *own_backend;
   if (prompt_tokens + gen_tokens > cfg.max_position_embeddings)
     throw InputError("bench: --ctx + --gen exceeds the model's context of " +
                      std::to_string(cfg.max_position_embeddings));
   nlohmann::json out = b.batch > 1 ? bench_batch(backend, cfg, b.batch, prompt_tokens, gen_tokens)
                                    : bench_stream(backend, cfg, prompt_tokens, gen_tokens, repeats);
   out["device"] = device;
-  out["kv"] = engine ? c.kv : "bf16";
+  out["kv"] = c.kv;
   const double p50 = out["ms_per_token_p50"], p99 = out["ms_per_token_p99"], ttft = out["ttft_ms"];
-  if (engine) out["threads"] = num_threads();
+  if (c.backend == "cpu") out["threads"] = num_threads();
   if (!b.config_file.empty()) out["config"] = std::filesystem::path(b.config_file).filename().string();
-  out["load_format"] = b.load_format;
+  out["load_format"] = c.load_format;
   if (copy_bw > 0 && b.batch == 1) add_floor(out, cfg, copy_bw);  // the floor counts one stream's bytes
   if (c.json) {
     std::printf("%s\n", out.dump().c_str());

@@ -14,7 +14,7 @@ struct CommonOptions {
   int threads = 0;
   bool json = false;
   std::string kv_config, kv_profile;
-  std::string backend = "cpu", load_format = "auto";  // generate, serve (bench has its own)
+  std::string backend = "cpu", load_format = "auto";  // generate, serve, bench
 };
 
 std::string read_text_file(const std::string& path);  // throws InputError naming the path
@@ -65,13 +65,10 @@ int run_score(const CommonOptions& c, const std::string& ids, const std::string&
 int run_ppl(const CommonOptions& c, const std::string& file, int ctx, int windows, const std::string& ref_kv = "");
 int run_needle(const CommonOptions& c, const std::string& file, const std::vector<int>& lengths, int trials);
 int run_calibrate(const CommonOptions& c, const std::string& file, const std::string& out, int tokens, int offset);
-int run_bench(const CommonOptions& c, int prompt_tokens, int gen_tokens, int repeats);
 
 struct BenchOptions {
   int prompt_tokens = 512, gen_tokens = 128, repeats = 5, batch = 1;
-  std::string backend = "cpu";       // cpu | cuda
-  std::string config_file;           // config.json for --load-format dummy
-  std::string load_format = "auto";  // auto (checkpoint) | dummy (random weights on the GPU)
+  std::string config_file;  // config.json instead of --model, for --load-format dummy
 };
 int run_bench(const CommonOptions& c, const BenchOptions& b);
 int run_serve(const CommonOptions& c, const ServeOptions& s);

@@ -104,9 +104,8 @@ int main(int argc, char** argv) {
   bench->add_option("--ctx", bo.prompt_tokens, "Same as --prompt-tokens: context before decoding")->excludes(pt_opt);
   bench->add_option("--gen", bo.gen_tokens, "Tokens decoded per repeat")->capture_default_str();
   bench->add_option("--repeats", bo.repeats, "Timed repeats (after one warm-up)")->capture_default_str();
-  bench->add_option("--backend", bo.backend, "cpu or cuda")->capture_default_str();
-  bench->add_option("--config", bo.config_file, "config.json for --load-format dummy");
-  bench->add_option("--load-format", bo.load_format, "auto (checkpoint) or dummy (random weights on the GPU)")->capture_default_str();
+  add_backend(bench, c);
+  bench->add_option("--config", bo.config_file, "config.json instead of --model, for --load-format dummy");
   bench->add_option("--batch", bo.batch, "Concurrent sequences, one token each per step")->capture_default_str();
 
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
@@ -129,7 +128,7 @@ int main(int argc, char** argv) {
   }
 
   // The CUDA backend's cache is BF16; the CLI's default (the CPU's tiered cache) does not apply.
-  for (auto* cmd : {gen, serve})
+  for (auto* cmd : {gen, serve, bench})
     if (*cmd && c.backend == "cuda" && cmd->count("--kv") == 0) c.kv = "bf16";
 
   try {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/files.h"
 #include "core/thread_pool.h"
 #include "kv/kv_profile.h"
 #if TIERMOE_HAVE_CUDA
@@ -30,14 +31,17 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
   if (opts.load_format != "auto" && opts.load_format != "dummy")
     throw InputError("--load-format must be auto or dummy, not '" + opts.load_format + "'");
   if (opts.load_format == "dummy" && opts.backend != "cuda") throw InputError("--load-format dummy needs --backend cuda");
-  if (!std::filesystem::is_directory(opts.model_dir)) throw InputError(opts.model_dir + ": not a directory");
+  const bool config_file = opts.load_format == "dummy" && std::filesystem::is_regular_file(opts.model_dir);
+  if (!config_file && !std::filesystem::is_directory(opts.model_dir))
+    throw InputError(opts.model_dir + ": not a directory" +
+                     (opts.load_format == "dummy" ? " or config.json" : ""));
   if (opts.load_format == "dummy") {
-    config_ = load_config(opts.model_dir);
+    config_ = config_file ? parse_config(read_file(opts.model_dir), opts.model_dir) : load_config(opts.model_dir);
   } else {
     weights_ = load_weights(opts.model_dir);
     config_ = weights_->cfg;
   }
-  if (std::filesystem::exists(std::filesystem::path(opts.model_dir) / "tokenizer.json"))
+  if (!config_file && std::filesystem::exists(std::filesystem::path(opts.model_dir) / "tokenizer.json"))
     tokenizer_.emplace(Tokenizer::load(opts.model_dir));
   if (!opts.kv_config.empty()) {
     std::ifstream in(opts.kv_config);

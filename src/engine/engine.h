@@ -19,7 +19,7 @@
 namespace tiermoe {
 
 struct EngineOptions {
-  std::string model_dir;
+  std::string model_dir;   // with load_format dummy, a config.json file will do (no tokenizer then)
   std::string kv = "f32";  // KV cache preset (kv_spec.h): f32 (exact reference), bf16, default, ...
   int threads = 0;         // 0: all cores (or TIERMOE_THREADS)
   std::string kv_config;   // JSON file of KV spec overrides (replaces `kv` when given)

@@ -123,10 +123,11 @@ struct HttpServer::Impl {
         else s.stop.push_back(eot);
       }
     } else if (!r.prompt_ids.empty()) {
-      for (int32_t id : r.prompt_ids)
-        if (id >= cfg.vocab_size)
-          throw ApiError(400, "prompt: token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                                  std::to_string(cfg.vocab_size) + ")", "prompt");
+      try {
+        check_token_ids(r.prompt_ids, cfg, "prompt");
+      } catch (const InputError& e) {
+        throw ApiError(400, e.what(), "prompt");
+      }
       s.prompt = r.prompt_ids;
     } else {
       s.prompt = tok.encode(r.prompt, true);
