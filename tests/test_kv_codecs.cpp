@@ -251,7 +251,7 @@ TEST(TieredKvCache, HoldsWhatItAccountsFor) {
     s.archive_stages = s.k.stage_bits.size() > 1 ? 1 : 0;
     auto c = make_kv_cache(g, s);
     std::vector<int> lens = {40, 40, 33};
-    for (int i = 0; i < 70; ++i) lens.push_back(1 + i % 3);
+    for (int i = 0; i < 120; ++i) lens.push_back(1 + i % 3);
     int len = 0;
     for (int T : lens) {
       run_cache(*c, g, {T}, uint64_t(len) + 7);
@@ -261,10 +261,17 @@ TEST(TieredKvCache, HoldsWhatItAccountsFor) {
       const double slack = g.num_layers * 2 * (s.page * row_bytes + pages + s.sink * row_bytes);
       ASSERT_GE(st.held_bytes, st.token_bytes) << preset << " at " << len;
       ASSERT_LE(st.held_bytes, st.token_bytes + slack) << preset << " at " << len;
+      // Until its last refit, `default` keeps every token's BF16 row for the refits: metadata.
+      if (std::string(preset) == "default" && len < s.calib_tokens << s.refits) {
+        ASSERT_GE(st.meta_bytes, len * g.num_layers * 2 * row_bytes) << len;
+      }
     }
     // The point of it: most tokens are coded, so even fp8 (8 bits) holds far less than BF16.
     const double bf16 = double(len) * g.num_layers * 2 * row_bytes;
     EXPECT_LT(c->stats().held_bytes, 0.6 * bf16) << preset;
+    if (std::string(preset) == "default") {
+      EXPECT_EQ(tiered_cache_versions(*c), 3);
+    }
   }
 }
 
@@ -297,6 +304,109 @@ TEST(TieredKvCache, CalibrationIsDeterministicForASeed) {
   EXPECT_FALSE(a.empty());
   EXPECT_EQ(a, codecs(1));
   EXPECT_NE(a, codecs(2));
+}
+
+// A sequence of n tokens' K, V (post-RoPE) and queries, fed to a cache in chunks of `lens`;
+// returns every query's attention output, [n, H, Dh].
+struct Tokens {
+  std::vector<float> k, v, q;
+};
+Tokens random_tokens(const KvGeometry& g, int n, uint64_t seed) {
+  return {rnd(size_t(n) * g.num_kv_heads * g.head_dim, seed), rnd(size_t(n) * g.num_kv_heads * g.head_dim, seed + 1),
+          rnd(size_t(n) * g.num_heads * g.head_dim, seed + 2)};
+}
+std::vector<float> attend_all(KvCache& c, const KvGeometry& g, const Tokens& x, const std::vector<int>& lens) {
+  const size_t kvr = size_t(g.num_kv_heads) * g.head_dim, qr = size_t(g.num_heads) * g.head_dim;
+  std::vector<float> out;
+  int pos = 0;
+  for (int T : lens) {
+    std::vector<float> o(size_t(T) * qr);
+    for (int l = 0; l < g.num_layers; ++l) {
+      c.append(l, x.k.data() + pos * kvr, x.v.data() + pos * kvr, T);
+      c.attend(l, x.q.data() + pos * qr, T, o.data());
+    }
+    out.insert(out.end(), o.begin(), o.end());
+    pos += T;
+  }
+  return out;
+}
+
+// `default` refits online (small_spec: fits at 64, 128 and 256 tokens).
+TEST(TieredKvCache, RefitsAreDeterministicAndMakeNewVersions) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  const KvSpec s = small_spec("default");
+  ASSERT_EQ(s.refits, 2);
+  const Tokens x = random_tokens(g, 300, 21);
+  auto saved = [&](const std::vector<int>& lens, int version) {
+    auto c = make_kv_cache(g, s);
+    attend_all(*c, g, x, lens);
+    EXPECT_EQ(tiered_cache_versions(*c), 3);
+    std::ostringstream o;
+    for (const auto& cd : tiered_cache_codecs(*c, version)) cd.save(o);
+    return o.str();
+  };
+  for (int v = 0; v < 3; ++v) {
+    const std::string a = saved({300}, v);
+    EXPECT_FALSE(a.empty());
+    EXPECT_EQ(a, saved({300}, v)) << v;
+    EXPECT_EQ(a, saved({50, 70, 1, 1, 100, 78}, v)) << v;  // whatever the chunking
+    if (v > 0) {
+      EXPECT_NE(a, saved({300}, v - 1)) << v;
+    }
+  }
+}
+
+// A page keeps the codec version it was coded with: a refit changes no code of an older page.
+TEST(TieredKvCache, PagesCodedBeforeARefitDecodeTheSameAfterIt) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  KvSpec s = small_spec("default");
+  s.middle = 4096;  // no archive cut in this run: a page's codes stay whole
+  const Tokens x = random_tokens(g, 300, 5);
+  auto c = make_kv_cache(g, s);
+  attend_all(*c, g, x, {100, 20});  // 120 tokens: version 0 only, pages 0..12 coded
+  ASSERT_EQ(tiered_cache_versions(*c), 1);
+  std::vector<std::vector<float>> before;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int pg = 1; pg < 12; ++pg) {
+      int ver = -1;
+      before.push_back(tiered_cache_decoded_page(*c, 0, kv, pg, 1, ver));
+      EXPECT_EQ(ver, 0);
+    }
+  Tokens rest = x;
+  for (auto* v : {&rest.k, &rest.v, &rest.q}) v->erase(v->begin(), v->begin() + long(v->size() / 300 * 120));
+  attend_all(*c, g, rest, {80, 1, 1, 98});  // to 300: refits at 128 and 256
+  ASSERT_EQ(tiered_cache_versions(*c), 3);
+  size_t i = 0;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int pg = 1; pg < 12; ++pg) {
+      int ver = -1;
+      EXPECT_EQ(tiered_cache_decoded_page(*c, 0, kv, pg, 1, ver), before[i++]) << kv << " " << pg;
+      EXPECT_EQ(ver, 0);
+    }
+  int ver = -1;
+  tiered_cache_decoded_page(*c, 0, 0, 270 / s.page, 0, ver);  // coded after the refit at 256
+  EXPECT_EQ(ver, 2);
+}
+
+// No query sees a codec fitted on tokens after it: two sequences equal up to 140 tokens (past
+// the refit at 128) give the same attention for their first 140 queries, in one chunk each.
+TEST(TieredKvCache, RefitsAreCausal) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  const KvSpec s = small_spec("default");
+  const Tokens a = random_tokens(g, 300, 8);
+  Tokens b = random_tokens(g, 300, 9);
+  const size_t kvr = size_t(g.num_kv_heads) * g.head_dim, qr = size_t(g.num_heads) * g.head_dim;
+  std::copy_n(a.k.begin(), 140 * kvr, b.k.begin());
+  std::copy_n(a.v.begin(), 140 * kvr, b.v.begin());
+  std::copy_n(a.q.begin(), 140 * qr, b.q.begin());
+  auto ca = make_kv_cache(g, s), cb = make_kv_cache(g, s);
+  const auto oa = attend_all(*ca, g, a, {300}), ob = attend_all(*cb, g, b, {300});
+  ASSERT_EQ(tiered_cache_versions(*ca), 3);
+  EXPECT_TRUE(std::equal(oa.begin(), oa.begin() + long(140 * qr), ob.begin()));
+  EXPECT_FALSE(std::equal(oa.begin() + long(140 * qr), oa.end(), ob.begin() + long(140 * qr)));
+  // And decode semantics: the same outputs whatever the chunking.
+  auto cc = make_kv_cache(g, s);
+  EXPECT_EQ(attend_all(*cc, g, a, {63, 2, 60, 1, 1, 1, 100, 72}), oa);
 }
 
 TEST(KvSpecConfig, BadKeysAreNamed) {

@@ -25,6 +25,7 @@ int run_calibrate(const CommonOptions& c, const std::string& file, const std::st
   if (int(ids.size()) < offset + tokens)
     throw InputError(file + ": " + std::to_string(ids.size()) + " tokens, fewer than --offset + --tokens");
   spec.calib_tokens = tokens;
+  spec.refits = 0;  // a profile holds one codec per stream
   std::unique_ptr<KvCache> cache = make_kv_cache(engine.kv_geometry(), spec);
   ProgressBar bar("calibrate", size_t(tokens));
   for (int s = 0; s < tokens; s += 256) {

@@ -17,24 +17,33 @@ void rmsnorm(float* y, const float* x, const float* w, int T, int D, float eps) 
   }
 }
 
+void rope_inv_freq(float* inv_freq, int Dh, float theta) {
+  for (int i = 0; i < Dh / 2; ++i) inv_freq[i] = 1.0f / std::pow(theta, float(2 * i) / float(Dh));
+}
+
+void rope_angles(const float* inv_freq, int half, int pos, float* cs, float* sn) {
+  for (int i = 0; i < half; ++i) {
+    const float angle = inv_freq[i] * float(pos);
+    cs[i] = std::cos(angle);
+    sn[i] = std::sin(angle);
+  }
+}
+
+void rope_rotate(float* v, const float* cs, const float* sn, int half, float sign) {
+  for (int i = 0; i < half; ++i) {
+    const float s = sign * sn[i], a = v[i], b = v[i + half];
+    v[i] = a * cs[i] - b * s;
+    v[i + half] = b * cs[i] + a * s;
+  }
+}
+
 void rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float theta) {
   const int half = Dh / 2;
   std::vector<float> inv_freq(half), cs(half), sn(half);
-  for (int i = 0; i < half; ++i) inv_freq[i] = 1.0f / std::pow(theta, float(2 * i) / float(Dh));
+  rope_inv_freq(inv_freq.data(), Dh, theta);
   for (int t = 0; t < T; ++t) {
-    for (int i = 0; i < half; ++i) {
-      const float angle = inv_freq[i] * float(pos[t]);
-      cs[i] = std::cos(angle);
-      sn[i] = std::sin(angle);
-    }
-    for (int h = 0; h < n_heads; ++h) {
-      float* v = x + (size_t(t) * n_heads + h) * Dh;
-      for (int i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * cs[i] - b * sn[i];
-        v[i + half] = b * cs[i] + a * sn[i];
-      }
-    }
+    rope_angles(inv_freq.data(), half, pos[t], cs.data(), sn.data());
+    for (int h = 0; h < n_heads; ++h) rope_rotate(x + (size_t(t) * n_heads + h) * Dh, cs.data(), sn.data(), half);
   }
 }
 

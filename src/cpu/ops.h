@@ -12,6 +12,13 @@ void rmsnorm(float* y, const float* x, const float* w, int T, int D, float eps);
 // at positions pos[T]. Angles as transformers computes them: fp32 inv_freq * fp32 position.
 void rope(float* x, const int32_t* pos, int T, int n_heads, int Dh, float theta);
 
+// The primitive under rope(), also used by the KV cache to undo RoPE on keys:
+// inv_freq[Dh/2] = theta^(-2i/Dh); cs/sn[Dh/2] the cos/sin of inv_freq * pos; v[Dh] rotated
+// in place by those angles (sign -1: rotated back).
+void rope_inv_freq(float* inv_freq, int Dh, float theta);
+void rope_angles(const float* inv_freq, int half, int pos, float* cs, float* sn);
+void rope_rotate(float* v, const float* cs, const float* sn, int half, float sign = 1.f);
+
 // y[T, F] = silu(gate[T, F]) * up[T, F]
 void silu_mul(float* y, const float* gate, const float* up, int T, int F);
 

@@ -257,7 +257,7 @@ void VqCodec::unrotate(const float* y, float* x) const {
 }
 
 void VqCodec::fit(const CodecSpec& spec, const float* x, int N, int Dh, const std::vector<double>& qcov, uint64_t seed,
-                  int kmeans_iters) {
+                  int kmeans_iters, const VqCodec* basis) {
   CHECK(Dh <= 256 && N > 0);
   *this = VqCodec{};
   kind = spec.kind;
@@ -277,13 +277,20 @@ void VqCodec::fit(const CodecSpec& spec, const float* x, int N, int Dh, const st
 
   // Rotation.
   std::vector<double> m(size_t(Dh), 0.0);
-  if (spec.rotation == "pca" && spec.center) {
+  if (basis) {
+    CHECK(basis->kind == "vq" && basis->d == Dh && basis->rotation == rotation);
+    rot = basis->rot;
+    mean = basis->mean;
+    shared_basis = true;
+  } else if (spec.rotation == "pca" && spec.center) {
     for (int n = 0; n < N; ++n)
       for (int i = 0; i < Dh; ++i) m[size_t(i)] += x[size_t(n) * Dh + i];
     for (auto& v : m) v /= N;
     mean.assign(m.begin(), m.end());
   }
-  if (spec.rotation == "pca") {
+  if (basis) {
+    // rot is the basis codec's
+  } else if (spec.rotation == "pca") {
     std::vector<double> cov(size_t(Dh) * Dh, 0.0);
     for (int n = 0; n < N; ++n) {
       const float* r = x + size_t(n) * Dh;
@@ -434,8 +441,10 @@ double VqCodec::meta_bits() const {
   if (kind == "fp8") return 16;
   if (kind != "vq") return 0;
   // A PCA basis is d*d numbers; a Hadamard rotation only its d random signs (d bits).
-  double n = (rotation == "pca" ? double(rot.size()) : rotation == "hadamard" ? d / 16.0 : 0.0) +
-             double(mean.size()) + double(anchor_scale.size());
+  double n = shared_basis ? 0.0
+                          : (rotation == "pca" ? double(rot.size()) : rotation == "hadamard" ? d / 16.0 : 0.0) +
+                                double(mean.size());
+  n += double(anchor_scale.size());
   for (const auto& st : stages)
     for (const VqSlot& s : st)
       if (!oblivious) n += double(s.book.size());  // Gaussian levels are constants of the code

@@ -38,13 +38,16 @@ struct VqCodec {
   bool token_norm = false;
   bool oblivious = false;
   std::string rotation = "none";
+  bool shared_basis = false;  // rot and mean are another codec's (fit with a basis)
   float fp8_scale = 1.f;
   int kivi_bits = 2, kivi_group = 32;
 
   // Fits the codec to calibration rows x[N, Dh]. qcov[Dh, Dh] (may be empty): second moment
   // of the queries that will meet these keys, for query-aware weighting.
+  // With `basis` (fitted to the same spec), its rotation and mean are kept (shared, not counted
+  // again in meta_bits) and only channel order, anchors, allocation and codebooks are fitted.
   void fit(const CodecSpec& spec, const float* x, int N, int Dh, const std::vector<double>& qcov, uint64_t seed,
-           int kmeans_iters);
+           int kmeans_iters, const VqCodec* basis = nullptr);
 
   int n_codes() const;                   // slots over all stages
   int n_codes(int n_stages) const;       // slots of the first n stages

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "cpu/ops.h"
 
 namespace tiermoe {
 namespace {
@@ -58,14 +59,9 @@ void code_widths(const VqCodec& c, int stages, std::vector<int>& w) {
 }  // namespace
 
 void KeyRope::apply(float* v, int pos, int Dh, float sign) const {
-  const int half = Dh / 2;
-  for (int i = 0; i < half; ++i) {
-    const float angle = inv_freq[size_t(i)] * float(pos);
-    const float c = std::cos(angle), s = sign * std::sin(angle);
-    const float a = v[i], b = v[i + half];
-    v[i] = a * c - b * s;
-    v[i + half] = b * c + a * s;
-  }
+  float cs[128], sn[128];
+  rope_angles(inv_freq.data(), Dh / 2, pos, cs, sn);
+  rope_rotate(v, cs, sn, Dh / 2, sign);
 }
 
 void encode_page(PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, const KeyRope& rope) {

@@ -17,7 +17,7 @@ namespace tiermoe {
 // RoPE at one key position; pre-RoPE keys are coded with it undone (sign -1) and decoded
 // with it redone (sign +1). Empty inv_freq: keys are coded as they come (post-RoPE).
 struct KeyRope {
-  std::vector<float> inv_freq;  // [Dh/2]
+  std::vector<float> inv_freq;  // [Dh/2] (cpu/ops.h: rope_inv_freq)
   bool on() const { return !inv_freq.empty(); }
   void apply(float* v, int pos, int Dh, float sign) const;
 };
@@ -35,6 +35,7 @@ struct PageStore {
   std::vector<uint8_t> anchors;  // vq: FP8 [P, Hkv, anchors]
   std::vector<uint16_t> scales;  // BF16: vq token norms [P, Hkv]; kivi (zero, scale) per group [Hkv][groups]
   int stages = 0;                // vq: stages whose codes are held (middle: all; archive: a prefix)
+  int version = 0;               // the codec version (online refit) the page was coded with
   bool coded = false;
 
   size_t bytes() const {  // allocated

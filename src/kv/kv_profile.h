@@ -32,8 +32,13 @@ class KvProfile {
 // The codec part of a spec, compared between a profile and the spec it is used with.
 nlohmann::json codec_spec_json(const KvSpec& s);
 
-// The codecs of a calibrated tiered cache, [layer][kvh][2] flattened (empty otherwise).
-std::vector<VqCodec> tiered_cache_codecs(const KvCache& c);
+// The codecs of a calibrated tiered cache, [layer][kvh][2] flattened: version 0 (the first fit;
+// a profile's), or a later online refit (empty if the cache has no such version yet).
+std::vector<VqCodec> tiered_cache_codecs(const KvCache& c, int version = 0);
+// For tests: codec versions held (layer 0), and head h of coded page pg of K (kv 0) or V,
+// decoded with every stage it holds, [P, Dh], with the version it was coded with.
+int tiered_cache_versions(const KvCache& c);
+std::vector<float> tiered_cache_decoded_page(const KvCache& c, int layer, int kv, int pg, int h, int& version);
 
 // A model's fingerprint: FNV-1a of its config.json text and its geometry.
 std::string model_fingerprint(const std::string& model_dir);

@@ -46,6 +46,11 @@ struct KvSpec {
   int page = 16;                 // tokens per page; tiers move whole pages
   int archive_stages = 0;        // archive keeps this prefix of the middle's stages (0: all)
   int calib_tokens = 512;        // online calibration: the first tokens' K/V (and queries)
+  int refits = 0;                // online: fit new codecs this many times more, at calib_tokens
+                                 // * 2, * 4, ... (from a sample of the tokens so far); pages
+                                 // keep the codec they were coded with, new pages take the newest
+  int refit_rows = 512;          // rows a refit reads (every fit_point / refit_rows-th token)
+  bool refit_basis = true;       // refits fit a new rotation and mean too (else keep the first's)
   int kmeans_iters = 8;
   uint64_t seed = 1;
   int lut_max_tokens = 4;        // attend through lookup tables when T <= this (decode)

@@ -30,6 +30,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
+#include "cpu/ops.h"
 #include "cpu/simd.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_codec.h"
@@ -75,16 +76,23 @@ struct Stream {                  // K or V of one layer
   std::vector<PageStore> pages;  // page i: tokens [iP, (i+1)P)
 };
 
+constexpr int kMaxVersions = 17;  // 1 + KvSpec::refits at most
+
 struct Layer {
   int len = 0, appended = 0;
   int coded = 0;       // pages [0, coded) have codes
   int exact_from = 0;  // pages [0, exact_from) hold no BF16 rows (the sink's rows are in Stream::sink)
   int full_from = 0;   // pages [0, full_from) hold only the archive's prefix of the stages
-  bool calibrated = false;
+  bool calibrated = false;          // codec.size() >= 1
   Stream s[2];                      // 0: K, 1: V
-  std::vector<VqCodec> codec;       // [Hkv][2]
-  std::vector<double> qcov;         // [Hkv, Dh, Dh] sum of q q^T (before calibration)
-  long qcount = 0;
+  std::vector<std::vector<VqCodec>> codec;  // [version][Hkv][2]; version v fitted at fit_point(v)
+  std::vector<double> qcov;         // [Hkv, Dh, Dh] sum of q q^T of queries [0, q_next) (while fits remain)
+  int q_next = 0;
+  // Refit sample (while refits remain): BF16 rows [n, Hkv, Dh] of K and V of the tokens at
+  // sample_pos[n], the positions a later fit reads (kept as they arrive: the pages' own rows
+  // are freed as they leave the window).
+  std::vector<uint16_t> sample[2];
+  std::vector<int> sample_pos;
 };
 
 // The decoded scratch of one KV head for one attention call: pages [lo, hi) of one version.
@@ -100,22 +108,24 @@ class TieredKvCache final : public KvCache {
   TieredKvCache(const KvGeometry& g, const KvSpec& spec, const KvProfile* profile)
       : g_(g), spec_(spec), layers_(size_t(g.num_layers)) {
     CHECK(g.head_dim <= 256);
-    const int Dh = g.head_dim;
     for (int l = 0; l < g.num_layers; ++l) {
       Layer& L = layers_[size_t(l)];
-      L.codec.resize(size_t(g.num_kv_heads) * 2);
       if (profile) {
+        L.codec.emplace_back(size_t(g.num_kv_heads) * 2);
         for (int h = 0; h < g.num_kv_heads; ++h)
-          for (int kv = 0; kv < 2; ++kv) L.codec[size_t(h) * 2 + kv] = profile->at(l, h, kv);
+          for (int kv = 0; kv < 2; ++kv) L.codec[0][size_t(h) * 2 + kv] = profile->at(l, h, kv);
         L.calibrated = true;
-      } else if (spec_.k.query_aware && spec_.k.kind == "vq") {
-        L.qcov.assign(size_t(g.num_kv_heads) * Dh * Dh, 0.0);
+      } else {
+        init_qcov(L);
       }
     }
+    from_profile_ = profile != nullptr;
     calib_pos_ = profile ? 0 : spec_.calib_tokens - 1;
+    n_fits_ = profile ? 1 : 1 + spec_.refits;
     if (spec_.k.kind == "vq" && spec_.k.pre_rope) {
       CHECK_MSG(g.rope_theta > 0, "pre-RoPE key coding needs the RoPE base");
-      for (int i = 0; i < Dh / 2; ++i) rope_.inv_freq.push_back(1.0f / std::pow(g.rope_theta, float(2 * i) / float(Dh)));
+      rope_.inv_freq.resize(size_t(g.head_dim / 2));
+      rope_inv_freq(rope_.inv_freq.data(), g.head_dim, g.rope_theta);
     }
   }
 
@@ -131,6 +141,8 @@ class TieredKvCache final : public KvCache {
         if (size_t(pos / P) >= pages.size()) pages.emplace_back().exact.reserve(size_t(P) * row);
         auto& e = pages[size_t(pos / P)].exact;
         for (size_t i = 0; i < row; ++i) e.push_back(f32_to_bf16(src[size_t(t) * row + i]));
+        if (kv == 0 && sampled(pos)) L.sample_pos.push_back(pos);
+        if (sampled(pos)) L.sample[kv].insert(L.sample[kv].end(), e.end() - long(row), e.end());
       }
     }
     L.len += T;
@@ -142,12 +154,16 @@ class TieredKvCache final : public KvCache {
     Layer& L = self->layers_[size_t(layer)];
     CHECK(T <= L.appended);
     const int p0 = L.len - T;
-    if (!L.calibrated) {
-      self->collect_queries(L, q, T, p0);
-      if (L.len >= spec_.calib_tokens) self->calibrate(layer);
+    // Fits due by now, in order: each from the queries and rows before its point only.
+    while (int(L.codec.size()) < n_fits_ && L.len >= fit_point(int(L.codec.size()))) {
+      self->collect_queries(L, q, T, p0, fit_point(int(L.codec.size())));
+      self->fit(layer);
     }
+    if (int(L.codec.size()) < n_fits_) self->collect_queries(L, q, T, p0, L.len);
     if (L.calibrated) self->encode_up_to(L, coded_end(L.len - 1));
-    const bool lut = T <= spec_.lut_max_tokens && spec_.k.kind == "vq" && spec_.v.kind == "vq" && !rope_.on();
+    // Lookup tables hold one codec's codebooks; pages of several versions go the decoded way.
+    const bool lut = T <= spec_.lut_max_tokens && spec_.k.kind == "vq" && spec_.v.kind == "vq" && !rope_.on() &&
+                     L.codec.size() == 1;
     const int H = g_.num_heads, Dh = g_.head_dim, group = H / g_.num_kv_heads;
     if (lut) {
       parallel_for(size_t(T) * H, [&](size_t b, size_t e) {
@@ -176,6 +192,16 @@ class TieredKvCache final : public KvCache {
     const size_t row = size_t(g_.num_kv_heads) * g_.head_dim;
     for (Layer& L : layers_) {
       CHECK(n <= L.len);
+      CHECK_MSG(n == 0 || n >= L.q_next || int(L.codec.size()) == n_fits_,
+                "tiered KV cache: truncating before tokens the online calibration has already read");
+      if (n == 0 && !from_profile_) {  // start over: the codecs were fitted on what is dropped
+        L.codec.clear();
+        L.calibrated = false;
+        L.q_next = 0;
+        for (auto& v : L.sample) std::vector<uint16_t>().swap(v);
+        std::vector<int>().swap(L.sample_pos);
+        init_qcov(L);
+      }
       if (n > 0) {  // the tokens that must be exact again still have their rows, and no page is cut short
         int sink, ae, ce;
         ranges(L, n - 1, sink, ae, ce);
@@ -215,21 +241,29 @@ class TieredKvCache final : public KvCache {
     const int sink = std::min(spec_.sink, len);
     const long n_arch = std::max(0, ae - sink), n_mid = std::max(0, ce - std::max(ae, sink));
     const long n_win = len - sink - n_arch - n_mid;
-    auto tier_bits = [&](int kv, int stages_of_tier) {
-      double b = 0;
-      int n = 0;
+    // Mean over layers, heads and the tier's tokens [a, b) of the bits of each page's codec
+    // version (an empty tier: the newest version's).
+    const int P = spec_.page;
+    auto tier_bits = [&](int kv, int stages_of_tier, int a, int b) {
+      double bits = 0, n = 0;
       for (const Layer& L : layers_)
-        for (int h = 0; h < g_.num_kv_heads; ++h, ++n) {
-          const VqCodec& c = L.codec[size_t(h) * 2 + kv];
-          b += c.token_bits(stages_of_tier < 0 ? c.n_stages() : std::min(stages_of_tier, c.n_stages()));
+        for (int pg = a / P; pg < (b + P - 1) / P || (a >= b && pg == a / P); ++pg) {
+          const int tokens = a >= b ? 1 : std::min(b, (pg + 1) * P) - std::max(a, pg * P);
+          const auto& codec = a >= b ? L.codec.back() : L.codec[size_t(L.s[kv].pages[size_t(pg)].version)];
+          for (int h = 0; h < g_.num_kv_heads; ++h, n += tokens) {
+            const VqCodec& c = codec[size_t(h) * 2 + kv];
+            bits += tokens * c.token_bits(stages_of_tier < 0 ? c.n_stages() : std::min(stages_of_tier, c.n_stages()));
+          }
         }
-      return n ? b / n / Dh : 0;
+      return n ? bits / n / Dh : 0;
     };
     const int arch_stages = spec_.archive_stages > 0 ? spec_.archive_stages : 1 << 20;
     st.tiers.push_back({"sink", long(sink), 16, 16});
     st.tiers.push_back({"window", n_win, 16, 16});
-    st.tiers.push_back({"middle", n_mid, cal ? tier_bits(0, -1) : 0, cal ? tier_bits(1, -1) : 0});
-    st.tiers.push_back({"archive", n_arch, cal ? tier_bits(0, arch_stages) : 0, cal ? tier_bits(1, arch_stages) : 0});
+    const int mid0 = std::max(ae, sink), arch0 = sink;
+    st.tiers.push_back({"middle", n_mid, cal ? tier_bits(0, -1, mid0, ce) : 0, cal ? tier_bits(1, -1, mid0, ce) : 0});
+    st.tiers.push_back({"archive", n_arch, cal ? tier_bits(0, arch_stages, arch0, ae) : 0,
+                        cal ? tier_bits(1, arch_stages, arch0, ae) : 0});
     double kb = 0, vb = 0;
     for (const auto& t : st.tiers) kb += t.tokens * t.k_bits, vb += t.tokens * t.v_bits;
     st.k_bits = len ? kb / len : 0;
@@ -237,13 +271,26 @@ class TieredKvCache final : public KvCache {
     const double values = double(len) * g_.num_layers * g_.num_kv_heads * Dh;
     st.token_bytes = values * (st.k_bits + st.v_bits) / 8;
     st.held_bytes = double(bytes());
-    if (cal || (!layers_.empty() && layers_[0].calibrated))
-      for (const Layer& L : layers_)
-        for (const VqCodec& c : L.codec) st.meta_bytes += c.meta_bits() / 8;
+    // Per sequence: every codec version held, and while fits remain, what they will read.
+    for (const Layer& L : layers_) {
+      for (const auto& version : L.codec)
+        for (const VqCodec& c : version) st.meta_bytes += c.meta_bits() / 8;  // a shared basis counts once
+      st.meta_bytes += double(L.sample[0].capacity() + L.sample[1].capacity()) * 2 +
+                       double(L.sample_pos.capacity()) * 4 + double(L.qcov.capacity()) * 8;
+    }
     return st;
   }
 
   const std::vector<Layer>& layers() const { return layers_; }
+  std::vector<float> decoded_page(int layer, int kv, int pg, int h, int& version) const {
+    const Layer& L = layers_[size_t(layer)];
+    const PageStore& page = L.s[kv].pages[size_t(pg)];
+    CHECK(page.coded);
+    version = page.version;
+    std::vector<float> out(size_t(spec_.page) * g_.head_dim);
+    decode_page(page, codecs(L, kv, page.version), page_geo(pg), h, page.stages, rope_, out.data());
+    return out;
+  }
   const KvSpec& spec() const { return spec_; }
 
  private:
@@ -259,7 +306,7 @@ class TieredKvCache final : public KvCache {
   int stages_for(bool archive, const VqCodec& c) const {
     return archive && spec_.archive_stages > 0 ? std::min(spec_.archive_stages, c.n_stages()) : c.n_stages();
   }
-  StreamCodecs codecs(const Layer& L, int kv) const { return {L.codec.data(), kv}; }
+  StreamCodecs codecs(const Layer& L, int kv, int version) const { return {L.codec[size_t(version)].data(), kv}; }
   PageGeometry page_geo(int page) const { return {spec_.page, g_.num_kv_heads, g_.head_dim, page * spec_.page}; }
 
   // The BF16 row [Hkv, Dh] of token j (sink, or a page still in the window).
@@ -271,42 +318,108 @@ class TieredKvCache final : public KvCache {
     return L.s[kv].sink.data() + size_t(j) * row;
   }
 
-  void collect_queries(Layer& L, const float* q, int T, int p0) {
+  // Online fits: version v from the tokens [0, fit_point(v)): version 0 from all of them,
+  // refit v from every fit_stride(v)-th (about spec.refit_rows rows).
+  int fit_point(int v) const { return spec_.calib_tokens << v; }
+  int fit_stride(int v) const { return v == 0 ? 1 : std::max(1, fit_point(v) / spec_.refit_rows); }
+  // Whether a refit after version v reads the row of the token at pos.
+  bool read_after(int pos, int v) const {
+    for (int u = std::max(v + 1, 1); u < n_fits_; ++u)
+      if (pos < fit_point(u) && pos % fit_stride(u) == 0) return true;
+    return false;
+  }
+  bool sampled(int pos) const { return !from_profile_ && read_after(pos, 0); }
+  void init_qcov(Layer& L) const {
+    if (spec_.k.query_aware && spec_.k.kind == "vq")
+      L.qcov.assign(size_t(g_.num_kv_heads) * g_.head_dim * g_.head_dim, 0.0);
+  }
+
+  // Adds the queries at positions [L.q_next, upto) of this chunk (p0 .. p0 + T) to qcov.
+  void collect_queries(Layer& L, const float* q, int T, int p0, int upto) {
+    const int from = std::max(L.q_next, p0), to = std::min(upto, p0 + T);
+    if (to <= from) return;
+    L.q_next = to;
     if (L.qcov.empty()) return;
     const int H = g_.num_heads, Dh = g_.head_dim, group = H / g_.num_kv_heads;
-    for (int t = 0; t < T && p0 + t < spec_.calib_tokens; ++t)
+    for (int p = from; p < to; ++p)
       for (int h = 0; h < H; ++h) {
         float x[256];
-        std::copy_n(q + (size_t(t) * H + h) * Dh, Dh, x);
-        if (rope_.on()) rope_.apply(x, p0 + t, Dh, -1.f);
+        std::copy_n(q + (size_t(p - p0) * H + h) * Dh, Dh, x);
+        if (rope_.on()) rope_.apply(x, p, Dh, -1.f);
         double* c = L.qcov.data() + size_t(h / group) * Dh * Dh;
         for (int i = 0; i < Dh; ++i)
           for (int j = 0; j < Dh; ++j) c[size_t(i) * Dh + j] += double(x[i]) * x[j];
       }
-    L.qcount += T;
   }
 
-  void calibrate(int layer) {
+  // Fits the next codec version of `layer` from its rows before fit_point(v) (version 0: the
+  // exact rows, all still held; refits: the sample) and the queries collected so far.
+  void fit(int layer) {
     Layer& L = layers_[size_t(layer)];
-    const int Dh = g_.head_dim, Hkv = g_.num_kv_heads, N = spec_.calib_tokens;
+    const int Dh = g_.head_dim, Hkv = g_.num_kv_heads, v = int(L.codec.size());
+    const int stride = fit_stride(v), end = fit_point(v);
+    CHECK(L.q_next == end);
+    std::vector<int> pos;
+    for (int p = 0; p < end; p += stride) pos.push_back(p);
+    const int N = int(pos.size());
+    std::vector<const uint16_t*> rows[2];  // [N] rows [Hkv, Dh] of K and V
+    const size_t row = size_t(Hkv) * Dh;
+    for (int kv = 0; kv < 2; ++kv)
+      for (int p : pos) {
+        if (v == 0) rows[kv].push_back(exact_row(L, kv, p));
+        else {
+          const auto it = std::lower_bound(L.sample_pos.begin(), L.sample_pos.end(), p);
+          CHECK(it != L.sample_pos.end() && *it == p);
+          rows[kv].push_back(L.sample[kv].data() + size_t(it - L.sample_pos.begin()) * row);
+        }
+      }
+    std::vector<VqCodec>& codec = L.codec.emplace_back(size_t(Hkv) * 2);
     parallel_for(size_t(Hkv) * 2, [&](size_t b, size_t e) {
       std::vector<float> x(size_t(N) * Dh);
       for (size_t i = b; i < e; ++i) {
         const int h = int(i / 2), kv = int(i % 2);
         for (int n = 0; n < N; ++n) {
-          const uint16_t* r = exact_row(L, kv, n) + size_t(h) * Dh;
+          const uint16_t* r = rows[kv][size_t(n)] + size_t(h) * Dh;
           for (int d = 0; d < Dh; ++d) x[size_t(n) * Dh + d] = bf16_to_f32(r[d]);
-          if (kv == 0 && rope_.on()) rope_.apply(x.data() + size_t(n) * Dh, n, Dh, -1.f);
+          if (kv == 0 && rope_.on()) rope_.apply(x.data() + size_t(n) * Dh, pos[size_t(n)], Dh, -1.f);
         }
         std::vector<double> qc;
         if (kv == 0 && !L.qcov.empty()) qc.assign(L.qcov.begin() + long(h) * Dh * Dh, L.qcov.begin() + long(h + 1) * Dh * Dh);
-        const uint64_t seed = spec_.seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 131 + uint64_t(h) * 7 + uint64_t(kv);
-        L.codec[i].fit(kv == 0 ? spec_.k : spec_.v, x.data(), N, Dh, qc, seed, spec_.kmeans_iters);
+        // Version 0 keeps the seed of the single-fit cache (same codecs as before refits existed).
+        const uint64_t seed = spec_.seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 131 + uint64_t(h) * 7 + uint64_t(kv) +
+                              uint64_t(v) * 0xD1B54A32D192ED03ull;
+        codec[i].fit(kv == 0 ? spec_.k : spec_.v, x.data(), N, Dh, qc, seed, spec_.kmeans_iters,
+                     v > 0 && !spec_.refit_basis ? &L.codec[0][i] : nullptr);
       }
     });
     L.calibrated = true;
-    L.qcov.clear();
-    L.qcov.shrink_to_fit();
+    if (v + 1 == n_fits_) {  // no fit left: free what only the fits needed
+      std::vector<double>().swap(L.qcov);
+      for (auto& smp : L.sample) std::vector<uint16_t>().swap(smp);
+      std::vector<int>().swap(L.sample_pos);
+      return;
+    }
+    // Keep only the sampled rows the next fits read.
+    size_t keep = 0;
+    for (size_t n = 0; n < L.sample_pos.size(); ++n) {
+      const int p = L.sample_pos[n];
+      if (read_after(p, v)) {
+        for (auto& smp : L.sample) std::copy_n(smp.begin() + long(n * row), row, smp.begin() + long(keep * row));
+        L.sample_pos[keep++] = p;
+      }
+    }
+    L.sample_pos.resize(keep);
+    for (auto& smp : L.sample) smp.resize(keep * row);
+  }
+
+  // The codec version of page pg: the newest fitted by the step that first reads the page's
+  // codes (the first query whose window it left, or the first fit if that came later).
+  int page_version(const Layer& L, int pg) const {
+    const int p = std::max((pg + 1) * spec_.page + spec_.window - 1, calib_pos_);
+    int v = 0;
+    while (v + 1 < n_fits_ && fit_point(v + 1) - 1 <= p) ++v;
+    CHECK(v < int(L.codec.size()));
+    return v;
   }
 
   // Codes whole pages until at least `end` tokens are coded (their BF16 rows stay until finish_chunk).
@@ -318,7 +431,9 @@ class TieredKvCache final : public KvCache {
     parallel_for(size_t(to - from) * 2, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) {
         const int pg = from + int(i / 2), kv = int(i % 2);
-        encode_page(L.s[kv].pages[size_t(pg)], codecs(L, kv), page_geo(pg), rope_);
+        PageStore& page = L.s[kv].pages[size_t(pg)];
+        page.version = page_version(L, pg);
+        encode_page(page, codecs(L, kv, page.version), page_geo(pg), rope_);
       }
     });
     L.coded = to;
@@ -341,8 +456,11 @@ class TieredKvCache final : public KvCache {
       }
     for (; L.full_from < ae / P; ++L.full_from)
       for (int kv = 0; kv < 2; ++kv)
-        truncate_page_stages(L.s[kv].pages[size_t(L.full_from)], codecs(L, kv), page_geo(L.full_from),
-                             stages_for(true, L.codec[size_t(kv)]));
+      {
+        PageStore& page = L.s[kv].pages[size_t(L.full_from)];
+        truncate_page_stages(page, codecs(L, kv, page.version), page_geo(L.full_from),
+                             stages_for(true, L.codec[size_t(page.version)][size_t(kv)]));
+      }
   }
 
   // Key ranges for a query at p: [0, sink) exact, [sink, ae) archive, [.., ce) middle, rest exact.
@@ -353,7 +471,8 @@ class TieredKvCache final : public KvCache {
     ae = cal ? std::clamp(archive_end(p), sink, ce) : sink;
   }
   bool archive_differs(const Layer& L, int kv) const {
-    return stages_for(true, L.codec[size_t(kv)]) < L.codec[size_t(kv)].n_stages();
+    const VqCodec& c = L.codec[0][size_t(kv)];  // every version has the spec's stages
+    return stages_for(true, c) < c.n_stages();
   }
 
   // Decodes, for KV head kvh, the coded pages that queries p0..p1 read: `mid` all stages,
@@ -377,8 +496,9 @@ class TieredKvCache final : public KvCache {
         const int j = int(i / 2), kv = int(i % 2);
         Decoded& d = j < n_mid ? mid : arch;
         const int pg = d.lo + (j < n_mid ? j : j - n_mid);
-        const VqCodec& c = L.codec[size_t(kvh) * 2 + size_t(kv)];
-        decode_page(L.s[kv].pages[size_t(pg)], codecs(L, kv), page_geo(pg), kvh, stages_for(&d == &arch, c), rope_,
+        const PageStore& page = L.s[kv].pages[size_t(pg)];
+        const VqCodec& c = L.codec[size_t(page.version)][size_t(kvh) * 2 + size_t(kv)];
+        decode_page(page, codecs(L, kv, page.version), page_geo(pg), kvh, stages_for(&d == &arch, c), rope_,
                     d.rows[kv].data() + size_t(pg - d.lo) * P * Dh, kv == 1 && values_in_basis());
       }
     });
@@ -410,16 +530,24 @@ class TieredKvCache final : public KvCache {
       for (int j = 0; j < n; ++j) visit(1, j, [&](const auto* v) { axpy(o, sc[size_t(j)] / den, v, Dh); });
       return;
     }
-    // Exact rows straight into o; coded rows summed in the basis, then one unrotation.
-    float y[256] = {}, x[256], w_coded = 0;
+    // Exact rows straight into o; coded rows summed in their version's basis, then one
+    // unrotation per version.
+    const int nv = int(L.codec.size());
+    CHECK(nv <= kMaxVersions);
+    float y[kMaxVersions][256], x[256], w_coded[kMaxVersions] = {};
+    for (int v = 0; v < nv; ++v) std::fill_n(y[v], Dh, 0.f);
     for (int j = 0; j < n; ++j) {
       const float w = sc[size_t(j)] / den;
       const bool coded = j >= sink && j < ce;
-      if (coded) w_coded += w;
-      visit(1, j, [&](const auto* v) { axpy(coded ? y : o, w, v, Dh); });
+      const int v = coded ? L.s[1].pages[size_t(j / P)].version : 0;
+      if (coded) w_coded[v] += w;
+      visit(1, j, [&](const auto* row) { axpy(coded ? y[v] : o, w, row, Dh); });
     }
-    L.codec[size_t(kvh) * 2 + 1].from_basis(y, w_coded, x);
-    for (int i = 0; i < Dh; ++i) o[i] += x[i];
+    for (int v = 0; v < nv; ++v) {
+      if (w_coded[v] == 0.f && v > 0) continue;
+      L.codec[size_t(v)][size_t(kvh) * 2 + 1].from_basis(y[v], w_coded[v], x);
+      for (int i = 0; i < Dh; ++i) o[i] += x[i];
+    }
   }
 
   bool values_in_basis() const { return spec_.v.kind == "vq"; }
@@ -451,9 +579,9 @@ class TieredKvCache final : public KvCache {
     }
 
     // Coded part: per-query lookup tables over the key codebooks.
-    const VqCodec& kc = L.codec[size_t(kvh) * 2];
-    const VqCodec& vc = L.codec[size_t(kvh) * 2 + 1];
-    const StreamCodecs kcs = codecs(L, 0), vcs = codecs(L, 1);
+    const VqCodec& kc = L.codec[0][size_t(kvh) * 2];  // one version (see attend)
+    const VqCodec& vc = L.codec[0][size_t(kvh) * 2 + 1];
+    const StreamCodecs kcs = codecs(L, 0, 0), vcs = codecs(L, 1, 0);
     float qr[256];  // the query in the key codec's rotated basis, rotated once
     if (kc.rot.empty()) std::copy_n(q, Dh, qr);
     else
@@ -539,6 +667,8 @@ class TieredKvCache final : public KvCache {
   KvSpec spec_;
   std::vector<Layer> layers_;
   int calib_pos_ = 0;
+  int n_fits_ = 1;             // codec versions a sequence will have (1 + refits online)
+  bool from_profile_ = false;
   KeyRope rope_;  // pre-RoPE key coding when on
 };
 
@@ -549,15 +679,26 @@ std::unique_ptr<KvCache> make_kv_cache(const KvGeometry& g, const KvSpec& spec, 
   return std::make_unique<TieredKvCache>(g, spec, profile);
 }
 
-std::vector<VqCodec> tiered_cache_codecs(const KvCache& c) {
+std::vector<VqCodec> tiered_cache_codecs(const KvCache& c, int version) {
   const auto* t = dynamic_cast<const TieredKvCache*>(&c);
   std::vector<VqCodec> out;
   if (!t) return out;
   for (const Layer& L : t->layers()) {
-    if (!L.calibrated) return {};
-    out.insert(out.end(), L.codec.begin(), L.codec.end());
+    if (int(L.codec.size()) <= version) return {};
+    out.insert(out.end(), L.codec[size_t(version)].begin(), L.codec[size_t(version)].end());
   }
   return out;
+}
+
+int tiered_cache_versions(const KvCache& c) {
+  const auto* t = dynamic_cast<const TieredKvCache*>(&c);
+  return t && !t->layers().empty() ? int(t->layers()[0].codec.size()) : 0;
+}
+
+std::vector<float> tiered_cache_decoded_page(const KvCache& c, int layer, int kv, int pg, int h, int& version) {
+  const auto* t = dynamic_cast<const TieredKvCache*>(&c);
+  CHECK(t);
+  return t->decoded_page(layer, kv, pg, h, version);
 }
 
 }  // namespace tiermoe
