@@ -221,9 +221,9 @@ TEST(Server, ClientHangingUpMidStreamFreesItsSequence) {
 
 TEST(Server, KvBytesPerTierOfTheTieredCache) {
   // The default tiered cache with a small window and middle: a 700-token prompt (past the 512
-  // calibration tokens) spreads over all four tiers while it decodes.
+  // calibration tokens set here; default's are 768) spreads over all four tiers as it decodes.
   const std::string cfg = (std::filesystem::temp_directory_path() / ("tiermoe_tiers_" + std::to_string(getpid()) + ".json")).string();
-  std::ofstream(cfg) << R"({"preset": "default", "window": 32, "middle": 128})";
+  std::ofstream(cfg) << R"({"preset": "default", "window": 32, "middle": 128, "calib_tokens": 512})";
   test::ServerProcess srv({"--model", test::tinymix_dir(), "--kv-config", cfg});
   const int port = srv.port();
   std::vector<int> prompt(700);
