@@ -114,5 +114,23 @@ TEST(Scheduler, KvBytesByTierOfAnExactCache) {
   EXPECT_EQ(b.size(), 2u);
 }
 
+// Admission reserves at least what a sequence holds, metadata included: the tiered `default`
+// cache keeps its refit sample (BF16 rows and query statistics) until 3072 tokens, so short
+// sequences cost more per token than the codes say.
+TEST(Scheduler, ReservationCoversWhatTheDefaultCacheHolds) {
+  EngineOptions o = tinymix();
+  o.kv = "default";
+  Engine engine(o);
+  Scheduler sched(engine.backend(), engine.config(), nullptr, SchedulerOptions{});
+  for (int n : {64, 512, 1536}) {
+    auto cache = engine.backend().new_cache();
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) ids[size_t(i)] = int32_t((i * 7919) % engine.config().vocab_size);
+    engine.backend().forward(ids, *cache, 0, nullptr);
+    const KvCache::Stats st = cache->stats();
+    EXPECT_GE(double(sched.reservation_bytes(size_t(n), 0)), st.held_bytes + st.meta_bytes) << n << " tokens";
+  }
+}
+
 }  // namespace
 }  // namespace tiermoe

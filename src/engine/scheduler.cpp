@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <utility>
 
@@ -95,13 +96,17 @@ Scheduler::Scheduler(Backend& backend, const ModelConfig& cfg, const Tokenizer* 
   if (opts_.max_batch < 1) throw InputError("--max-batch must be >= 1");
   if (opts_.max_queue < 0) throw InputError("--max-queue must be >= 0");
   if (opts_.step_tokens < 1) throw InputError("--step-tokens must be >= 1");
-  // What one token costs in this backend's cache: measured on a probe sequence, so that the
-  // estimate follows whatever the cache stores (exact, BF16, compressed tiers).
+  // What one token costs in this backend's cache: measured on a short probe sequence, so that
+  // the estimate follows whatever the cache stores (exact, BF16, compressed tiers). Per-sequence
+  // metadata counts too: a tiered cache holds its codec-fitting sample (BF16 rows, query
+  // statistics) until its last refit, which makes a short sequence the costliest per token, so
+  // the estimate over-counts long ones rather than under-count short ones.
   const int probe_tokens = std::min(64, cfg_.max_position_embeddings);
   auto probe = backend_.new_cache();
   const std::vector<int32_t> ids(size_t(probe_tokens), cfg_.eos_token_ids.empty() ? 0 : cfg_.eos_token_ids[0]);
   backend_.forward(ids, *probe, 0, nullptr);
-  bytes_per_token_ = std::max<size_t>(1, (probe->bytes() + probe_tokens - 1) / probe_tokens);
+  const KvCache::Stats st = probe->stats();
+  bytes_per_token_ = std::max<size_t>(1, size_t(std::ceil((st.held_bytes + st.meta_bytes) / probe_tokens)));
   thread_ = std::thread([this] { loop(); });
 }
 
