@@ -336,11 +336,10 @@ class CudaBackend final : public Backend {
   static constexpr int kPinnedLogitRows = 8;
   static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
 
-  // Captured decode steps, one per (KV buffers, capacity, attention split count, logits wanted):
-  // a sequence that grows through several split counts, or a cache emptied and refilled, replays
-  // graphs captured before instead of capturing again.
-  // A captured step: batch 1 is tied to its cache's buffers (k, v, capacity); a batch of B
-  // sequences (one token each) reads its caches through kv_ptrs_, so only B matters.
+  // Captured decode steps. Batch 1: one per (KV buffers, capacity, attention split count, logits
+  // wanted), so a sequence that grows through several split counts, or a cache emptied and
+  // refilled, replays graphs captured before. A batch of B sequences (one token each) reads its
+  // caches through kv_ptrs_, so its key is (B, split count, logits wanted) alone.
   struct GraphKey {
     const void *k = nullptr, *v = nullptr;  // both: a new cache may reuse a freed K address only
     int cap = 0, n_splits = 0, n_logits = 0, batch = 1;
@@ -593,9 +592,6 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     if (T <= cuda::kGemvMaxT) {  // the attention norm folded into the q/k/v GEMV
       CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_,
                           L.attn_norm, eps));
-    } else if (T <= cuda::kGemvMaxT) {
-      CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
-      CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, h_, T, D, stream_));
     } else {
       CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
       linear(q_, h_, L.q, T, false);

@@ -12,7 +12,7 @@ namespace tiermoe {
 struct CudaBackendOptions {
   int max_chunk = 512;       // tokens per pass through the layers
   int initial_ctx = 8192;    // KV rows a new cache reserves (grows by doubling, never in a decode step)
-  bool use_graphs = true;    // capture the batch-1 decode step as a CUDA graph
+  bool use_graphs = true;    // capture decode steps (batch 1, and batches of one token each) as CUDA graphs
   // Prompt chunks (> 8 tokens) go through BF16 tensor-core GEMMs; with split_activations each
   // activation enters as two BF16 parts (hi + lo), which keeps FP32-level products like the GEMV
   // path, at twice the GEMM work. Off: one BF16 rounding of every GEMM input.

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 namespace tiermoe::cuda {
@@ -38,6 +39,13 @@ __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
 }
 
 __device__ __forceinline__ uint4 ldg16(const uint16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// x as two BF16 parts, hi = bf16(x) and lo = bf16(x - hi): hi + lo carries x to about 2^-16
+// relative, so BF16 tensor-core products of both parts sum to FP32-level results.
+__device__ __forceinline__ void bf16_split(float x, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  lo = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 

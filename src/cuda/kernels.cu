@@ -127,12 +127,13 @@ __global__ void add_sigmoid_scaled_kernel(float* x, const float* y, const float*
     x[i] += 1.0f / (1.0f + expf(-g[i / D])) * y[i];
 }
 
-// hi[i] = bf16(x[i]), lo[i] = bf16(x[i] - hi[i]) (lo optional).
+// hi[i], lo[i] = bf16_split(x[i]) (lo optional).
 __global__ void to_bf16_kernel(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* x, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+    __nv_bfloat16 h, l;
+    bf16_split(x[i], h, l);
     hi[i] = h;
-    if (lo) lo[i] = __float2bfloat16_rn(x[i] - __bfloat162float(h));
+    if (lo) lo[i] = l;
   }
 }
 

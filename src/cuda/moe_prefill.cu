@@ -7,6 +7,8 @@
 // produce, and the tiles past the end leave at once.
 #include "cuda/kernels.h"
 
+#include "cuda/device_math.cuh"
+
 #include <mma.h>
 
 #include <cuda_bf16.h>
@@ -85,9 +87,10 @@ __global__ void __launch_bounds__(kGemmThreads)
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat16 h = __float2bfloat16_rn(v[j]);
+        __nv_bfloat16 h, l;
+        bf16_split(v[j], h, l);
         a_hi[m * kLd + k + j] = h;
-        a_lo[m * kLd + k + j] = __float2bfloat16_rn(split ? v[j] - __bfloat162float(h) : 0.f);
+        a_lo[m * kLd + k + j] = l;  // unused unless split
       }
     }
     // B: kTileN rows of W (n) x kTileK (k), zeros past N and Kd, 8 BF16 (16 bytes) at a time.
