@@ -81,12 +81,26 @@ struct DLayer {
   DLinear shared_gu, shared_down, shared_gate;
 };
 
+// Prompt attention over cache rows already appended, the kernel chosen here alone: the tensor-core
+// one (attention_prefill) where it applies and is on, else the split kernel, whose partial[T, H,
+// n_splits, Dh + 2] scratch only it uses.
+struct PromptAttention {
+  bool flash = true, split_p = true;
+  void operator()(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
+                  int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s) const {
+    if (flash && cuda::attention_prefill_supported(H, Hkv, Dh))
+      CUDA_CK(cuda::attention_prefill(out, q, kc, vc, pos, T, H, Hkv, Dh, split_p, s));
+    else
+      CUDA_CK(cuda::attention(out, q, kc, vc, pos, T, H, Hkv, Dh, n_splits, split_len, partial, s));
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // The GPU KV cache: per layer, rows [capacity, Hkv, Dh] of BF16 for K and for V.
 class CudaKvCache final : public KvCache {
  public:
-  CudaKvCache(const KvGeometry& g, int capacity, int max_capacity, cudaStream_t s)
-      : g_(g), row_(size_t(g.num_kv_heads) * g.head_dim), max_cap_(max_capacity), stream_(s),
+  CudaKvCache(const KvGeometry& g, int capacity, int max_capacity, cudaStream_t s, PromptAttention attention)
+      : g_(g), row_(size_t(g.num_kv_heads) * g.head_dim), max_cap_(max_capacity), stream_(s), attention_(attention),
         lens_(g.num_layers, 0), appended_(g.num_layers, 0) {
     grow(std::min(capacity, max_capacity));
   }
@@ -134,8 +148,8 @@ class CudaKvCache final : public KvCache {
       CUDA_CK(cudaMalloc(&partial_, need * sizeof(float)));
       partial_n_ = need;
     }
-    CUDA_CK(cuda::attention(out, q, this->k(layer), this->v(layer), pos_, T, g_.num_heads, g_.num_kv_heads,
-                            g_.head_dim, n_splits, split, partial_, stream_));
+    attention_(out, q, this->k(layer), this->v(layer), pos_, T, g_.num_heads, g_.num_kv_heads, g_.head_dim, n_splits,
+               split, partial_, stream_);
     CUDA_CK(cudaStreamSynchronize(stream_));
   }
   int length() const override { return lens_.empty() ? 0 : lens_.back(); }
@@ -185,6 +199,7 @@ class CudaKvCache final : public KvCache {
   size_t row_;
   int max_cap_, cap_ = 0;
   cudaStream_t stream_;
+  PromptAttention attention_;
   bf16 *k_ = nullptr, *v_ = nullptr;
   std::vector<int> lens_, appended_;
   int32_t* pos_ = nullptr;  // for the interface's append/attend only
@@ -197,10 +212,13 @@ class CudaKvCache final : public KvCache {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
-    // A/B switches for timing and checks: graphs, split prompt activations, prompt chunk size,
-    // programmatic launch.
+    // A/B switches for timing and checks: graphs, split prompt activations, prompt attention kernel,
+    // prompt chunk size, programmatic launch.
     if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;
     if (const char* e = std::getenv("TIERMOE_CUDA_SPLIT"); e && e[0] == '0') opts_.split_activations = false;
+    if (const char* e = std::getenv("TIERMOE_CUDA_FLASH"); e && e[0] == '0') opts_.flash_attention = false;
+    if (const char* e = std::getenv("TIERMOE_CUDA_FLASH_P")) opts_.flash_split_p = std::atoi(e) != 1;  // 1: P in BF16
+    prompt_attention_ = {opts_.flash_attention, opts_.flash_split_p};
     if (const char* e = std::getenv("TIERMOE_CUDA_CHUNK")) opts_.max_chunk = std::clamp(std::atoi(e), 1, 1 << 16);
     read_switches();
     const char* pdl = std::getenv("TIERMOE_CUDA_PDL");
@@ -231,7 +249,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<KvCache> new_cache() const override {
     const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20;
     return std::make_unique<CudaKvCache>(KvGeometry{cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim},
-                                         opts_.initial_ctx, max_ctx, stream_);
+                                         opts_.initial_ctx, max_ctx, stream_, prompt_attention_);
   }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
@@ -294,6 +312,7 @@ class CudaBackend final : public Backend {
 
   ModelConfig cfg_;
   CudaBackendOptions opts_;
+  PromptAttention prompt_attention_;
   uint64_t seed_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
@@ -624,8 +643,8 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       }
       CUDA_CK(cuda::kv_append(p.cache->k(l), p.cache->v(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n,
                               Hkv * Dh, stream_));
-      CUDA_CK(cuda::attention(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l), pos_ + t, p.n, H,
-                              Hkv, Dh, p.n_splits, p.split_len, partial_, stream_));
+      prompt_attention_(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l), pos_ + t, p.n, H, Hkv, Dh,
+                        p.n_splits, p.split_len, partial_, stream_);
       t += size_t(p.n);
     }
     linear(x_, att_, L.o, T, true);  // x += attn @ Wo^T

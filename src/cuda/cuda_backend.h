@@ -17,6 +17,11 @@ struct CudaBackendOptions {
   // activation enters as two BF16 parts (hi + lo), which keeps FP32-level products like the GEMV
   // path, at twice the GEMM work. Off: one BF16 rounding of every GEMM input.
   bool split_activations = true;
+  // Prompt attention (chunks of more than 8 tokens) on the tensor cores (cuda::attention_prefill)
+  // where the shape allows, else the split CUDA-core kernel; flash_split_p: the softmax weights P
+  // enter the MMAs as BF16 hi + lo parts (else rounded to BF16 once).
+  bool flash_attention = true;
+  bool flash_split_p = true;
   uint64_t dummy_seed = 1;   // --load-format dummy
 };
 

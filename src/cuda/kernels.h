@@ -125,6 +125,18 @@ cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const 
 cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
                       int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s);
 
+// Prompt attention on the tensor cores (attention_prefill.cu), flash-style: the function of
+// attention() for T queries at non-decreasing positions pos[T], query t over cache rows 0 .. pos[t]
+// (written before, by kv_append), q[T, H, Dh] -> out[T, H, Dh], no scratch. One block per (tile of
+// query tokens, KV head): the G = H / Hkv heads of a KV head share every K/V tile read. Q enters the
+// BF16 MMAs as hi + lo parts (FP32-level scores); P (the softmax weights) as hi + lo (split_p) or
+// rounded to BF16 once. Deterministic. Only where attention_prefill_supported(): G in
+// 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere attention() is the fallback.  twin: attention_causal
+constexpr int kPrefillMaxG = 8;
+bool attention_prefill_supported(int H, int Hkv, int Dh);
+cudaError_t attention_prefill(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T,
+                              int H, int Hkv, int Dh, bool split_p, cudaStream_t s);
+
 // Decode attention in one launch (attention_decode.cu), for T <= kGemvMaxT new tokens of one
 // sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]
 // into the cache, attends over rows 0 .. pos[t] (the new rows read from k_new/v_new), cutting the

@@ -4,9 +4,10 @@
 //  2. end to end: tinymix-code and every golden fixture, CUDA backend vs CPU backend (logits
 //     at every prompt position, then 32 greedy steps through each backend's own KV cache),
 //     and tinymix's long-context logits vs the transformers reference;
-//  3. a GEMV bandwidth figure.
+//  3. a GEMV bandwidth figure and prompt-attention kernel times.
 // Prints one line per case and a summary; exit status 1 when any case fails.
-// Usage: tiermoe_cuda_check [--kernels-only | --models-only]
+// Usage: tiermoe_cuda_check [--kernels-only [NAME] | --models-only]   (NAME: only the kernel checks
+//   whose name contains it, e.g. attention_prefill, and no timing)
 //        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R] [--batch B]
 //   the same measurement and JSON as `tiermoe bench --backend cuda [--load-format dummy]`, for
 //   machines without the CLI's tokenizer libraries.
@@ -438,31 +439,156 @@ void check_moe_prefill() {
   }
 }
 
+// One prompt-attention case: random q[T, H, Dh], k, v (kb, vb: as BF16); the CPU twin's output ref;
+// on the GPU the cache holding the first `past` rows (3 poisoned rows past the end) and the T new
+// rows appended by kv_append, as the backend does. Then run(host, out, q, kc, vc, pos) with device
+// pointers.
+struct PromptAttnHost {
+  const std::vector<float>& q;
+  const std::vector<uint16_t>&kb, &vb;
+  const std::vector<float>& ref;
+};
+template <class Run>
+void prompt_attention_case(int T, int past, int H, int Hkv, int Dh, Run run) {
+  const int n = past + T, row = Hkv * Dh;
+  auto q = randn(size_t(T) * H * Dh), k = randn(size_t(n) * row), v = randn(size_t(n) * row);
+  auto kb = bf16_of(k), vb = bf16_of(v);
+  std::vector<float> ref(q.size());
+  attention_causal(ref.data(), q.data(), kb.data(), vb.data(), DType::BF16, T, past, H, Hkv, Dh);
+  std::vector<float> knew(k.begin() + size_t(past) * row, k.end()), vnew(v.begin() + size_t(past) * row, v.end());
+  std::vector<uint16_t> kc(size_t(n + 3) * row, 0xffff), vc(size_t(n + 3) * row, 0xffff);
+  std::copy_n(kb.begin(), size_t(past) * row, kc.begin());
+  std::copy_n(vb.begin(), size_t(past) * row, vc.begin());
+  std::vector<int32_t> pos(T);
+  for (int t = 0; t < T; ++t) pos[t] = past + t;
+  Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size());
+  Dev<uint16_t> dkc(kc), dvc(vc);
+  Dev<int32_t> dp(pos);
+  CK(cu::kv_append(dkc.p, dvc.p, dk.p, dv.p, dp.p, T, row, 0));
+  run(PromptAttnHost{q, kb, vb, ref}, dout, dq.p, dkc.p, dvc.p, dp.p);
+}
+
 void check_attention() {
   struct C { int T, past, H, Hkv, Dh, split; };
   for (C c : {C{1, 0, 4, 2, 16, 256}, C{1, 1000, 32, 4, 128, 256}, C{7, 33, 4, 2, 16, 8}, C{40, 300, 8, 8, 64, 64},
               C{1, 4095, 16, 16, 128, 256}, C{3, 17, 6, 3, 96, 5}, C{1, 5, 2, 1, 256, 256}}) {
-    const int n = c.past + c.T, row = c.Hkv * c.Dh;
-    auto q = randn(size_t(c.T) * c.H * c.Dh), k = randn(size_t(n) * row), v = randn(size_t(n) * row);
-    auto kb = bf16_of(k), vb = bf16_of(v);
-    std::vector<float> ref(q.size());
-    attention_causal(ref.data(), q.data(), kb.data(), vb.data(), DType::BF16, c.T, c.past, c.H, c.Hkv, c.Dh);
-    // GPU: the cache holds the first `past` rows; the T new rows go through kv_append.
-    std::vector<float> knew(k.begin() + size_t(c.past) * row, k.end()), vnew(v.begin() + size_t(c.past) * row, v.end());
-    std::vector<uint16_t> kc(size_t(n) * row, 0xffff), vc(size_t(n) * row, 0xffff);
-    std::copy_n(kb.begin(), size_t(c.past) * row, kc.begin());
-    std::copy_n(vb.begin(), size_t(c.past) * row, vc.begin());
-    std::vector<int32_t> pos(c.T);
-    for (int t = 0; t < c.T; ++t) pos[t] = c.past + t;
-    const int n_splits = (n + c.split - 1) / c.split;
-    Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
-    Dev<uint16_t> dkc(kc), dvc(vc);
-    Dev<int32_t> dp(pos);
-    CK(cu::kv_append(dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, row, 0));
-    CK(cu::attention(dout.p, dq.p, dkc.p, dvc.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, c.split, part.p, 0));
-    report(fmt("kv_append+attention T=%d past=%d H=%d Hkv=%d Dh=%d splits=%d", c.T, c.past, c.H, c.Hkv, c.Dh, n_splits),
-           rel(dout.get(), ref), 1e-5);
+    const int n_splits = (c.past + c.T + c.split - 1) / c.split;
+    prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kc, auto vc,
+                                                             auto pos) {
+      Dev<float> part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
+      CK(cu::attention(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, c.split, part.p, 0));
+      report(fmt("kv_append+attention T=%d past=%d H=%d Hkv=%d Dh=%d splits=%d", c.T, c.past, c.H, c.Hkv, c.Dh,
+                 n_splits),
+             rel(dout.get(), h.ref), 1e-5);
+    });
   }
+}
+
+// Relative L2 errors of `got` and of the FP32 twin `ref` against a double-precision attention, on the
+// rows of query tokens 0, T / 2 and T - 1: how much of a kernel's distance to the twin is the twin's.
+std::pair<double, double> attention_vs_f64(const PromptAttnHost& h, const std::vector<float>& got, int T, int past,
+                                           int H, int Hkv, int Dh) {
+  double eg = 0, er = 0, norm = 0;
+  for (int t : {0, T / 2, T - 1})
+    for (int hd = 0; hd < H; ++hd) {
+      const size_t qi = (size_t(t) * H + hd) * Dh;
+      const int n = past + t + 1, kvh = hd / (H / Hkv);
+      std::vector<double> sc(n), o(Dh, 0.0);
+      double mx = -INFINITY, sum = 0;
+      for (int j = 0; j < n; ++j) {
+        double d = 0;
+        for (int i = 0; i < Dh; ++i) d += double(h.q[qi + i]) * bf16_to_f32(h.kb[(size_t(j) * Hkv + kvh) * Dh + i]);
+        sc[j] = d / std::sqrt(double(Dh));
+        mx = std::max(mx, sc[j]);
+      }
+      for (int j = 0; j < n; ++j) {
+        const double p = std::exp(sc[j] - mx);
+        sum += p;
+        for (int i = 0; i < Dh; ++i) o[i] += p * bf16_to_f32(h.vb[(size_t(j) * Hkv + kvh) * Dh + i]);
+      }
+      for (int i = 0; i < Dh; ++i) {
+        const double x = o[i] / sum;
+        eg += (got[qi + i] - x) * (got[qi + i] - x);
+        er += (h.ref[qi + i] - x) * (h.ref[qi + i] - x);
+        norm += x * x;
+      }
+    }
+  return {std::sqrt(eg / norm), std::sqrt(er / norm)};
+}
+
+// The tensor-core prompt attention against attention_causal, with P as BF16 hi + lo parts (the
+// default) and rounded to BF16 once; the hi + lo launch twice (same bits). Query tiles of 64 / G
+// tokens: T around and off multiples of the tile, G not dividing 64 (padding rows), the last chunk
+// of an 8192-token context.
+void check_attention_prefill() {
+  struct C { int T, past, H, Hkv, Dh; };
+  for (C c : {C{9, 0, 8, 8, 64}, C{16, 1, 8, 4, 128}, C{63, 300, 16, 4, 128}, C{64, 0, 32, 4, 128},
+              C{65, 4095, 8, 1, 64}, C{200, 9000, 4, 2, 128}, C{512, 0, 16, 16, 128}, C{512, 7680, 32, 4, 128},
+              C{200, 1, 12, 4, 64}, C{65, 300, 10, 2, 128}, C{37, 4095, 14, 2, 64}, C{100, 1, 6, 1, 128},
+              C{9, 9000, 32, 8, 128}, C{63, 0, 4, 4, 64}, C{16, 4095, 64, 8, 64}, C{512, 300, 16, 4, 64}}) {
+    prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kc, auto vc,
+                                                             auto pos) {
+      const std::string name =
+          fmt("attention_prefill T=%d past=%d G=%d Hkv=%d Dh=%d", c.T, c.past, c.H / c.Hkv, c.Hkv, c.Dh);
+      CK(cu::attention_prefill(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
+      const auto got = dout.get();
+      dout.poison();
+      CK(cu::attention_prefill(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
+      const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
+      const auto [e64, twin64] = attention_vs_f64(h, got, c.T, c.past, c.H, c.Hkv, c.Dh);
+      // 1e-5: measured <= 4.2e-6 (at 9000 keys), with the twin itself up to 2.4e-6 off a double reference.
+      report(name + " P hi+lo", rel(got, h.ref), 1e-5,
+             fmt("rerun %s; vs f64 %.1e (twin %.1e)", same ? "bit-identical" : "DIFFERS", e64, twin64));
+      if (!same) ++g_fail;
+      dout.poison();
+      CK(cu::attention_prefill(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, false, 0));
+      report(name + " P bf16", rel(dout.get(), h.ref), 5e-3);  // one BF16 rounding of P: measured <= 1.6e-3
+    });
+  }
+  // Shapes it does not take (the backend falls back to attention()): refused, not miscomputed.
+  bool refused = true;
+  for (C c : {C{16, 0, 8, 8, 96}, C{16, 0, 8, 8, 256}, C{16, 0, 8, 8, 16}, C{16, 0, 32, 2, 128}})
+    refused = refused && !cu::attention_prefill_supported(c.H, c.Hkv, c.Dh) &&
+              cu::attention_prefill(nullptr, nullptr, nullptr, nullptr, nullptr, c.T, c.H, c.Hkv, c.Dh, true, 0) ==
+                  cudaErrorInvalidValue;
+  report("attention_prefill refuses Dh 96, 256, 16 and G=16", refused ? 0.0 : 1.0, 0.0);
+}
+
+// Prompt attention of a last 512-token chunk (keys 0 .. past + 511), each kernel timed over 20
+// launches after 3 warm-ups (events): the split kernel, the tensor-core one with P hi + lo, with P
+// in one BF16 part.
+void attention_timing(int past, int H, int Hkv, int Dh) {
+  const int T = 512, n = past + T, row = Hkv * Dh, n_splits = std::min(32, (n + 255) / 256);
+  Dev<float> q(randn(size_t(T) * H * Dh)), out(size_t(T) * H * Dh), part(size_t(T) * H * n_splits * (Dh + 2));
+  Dev<uint16_t> kc(bf16_of(randn(size_t(n) * row))), vc(bf16_of(randn(size_t(n) * row)));
+  std::vector<int32_t> ph(T);
+  for (int t = 0; t < T; ++t) ph[t] = past + t;
+  Dev<int32_t> pos(ph);
+  auto time_us = [&](auto launch) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; ++i) CK(launch());
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < 20; ++i) CK(launch());
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1e3 / 20;
+  };
+  const double us_old = time_us([&] {
+    return cu::attention(out.p, q.p, kc.p, vc.p, pos.p, T, H, Hkv, Dh, n_splits, (n + n_splits - 1) / n_splits, part.p,
+                         0);
+  });
+  auto flash = [&](bool split_p) {
+    return time_us([&] { return cu::attention_prefill(out.p, q.p, kc.p, vc.p, pos.p, T, H, Hkv, Dh, split_p, 0); });
+  };
+  const double us_split = flash(true), us_one = flash(false);
+  const double flop = 4.0 * T * H * Dh * (past + (T + 1) / 2.0);  // QK^T and PV, causal
+  std::printf("prompt attention T=%d past=%d H=%d Hkv=%d Dh=%d: split kernel %.1f us, tensor cores P hi+lo %.1f us "
+              "(%.0f TFLOP/s useful), P bf16 %.1f us\n",
+              T, past, H, Hkv, Dh, us_old, us_split, flop / us_split * 1e-6, us_one);
 }
 
 // The one-launch decode attention: its cache writes and its output against kv_append +
@@ -868,21 +994,21 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "batchtable") == 0) return batchtable_main(argc, argv);
   const bool kernels_only = argc > 1 && std::strcmp(argv[1], "--kernels-only") == 0;
+  // --kernels-only NAME: only the checks whose name contains NAME (e.g. under a sanitizer).
+  const char* only = kernels_only && argc > 2 ? argv[2] : nullptr;
+  auto want = [&](const char* name) { return !only || std::strstr(name, only) != nullptr; };
   const bool models_only = argc > 1 && std::strcmp(argv[1], "--models-only") == 0;
   std::printf("device: %s\n", cuda_device_name().c_str());
   if (!models_only) {
     std::printf("== kernels vs CPU twins ==\n");
-    check_gemv();
-    check_gemv3();
-    check_rmsnorm_rope_misc();
-    check_route();
-    check_moe_route();
-    check_moe();
-    check_moe_grouped();
-    check_moe_prefill();
-    check_attention();
-    check_attention_decode();
-    check_attention_decode_batch();
+    const std::pair<const char*, void (*)()> checks[] = {
+        {"gemv", check_gemv}, {"gemv3", check_gemv3}, {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
+        {"route", check_route}, {"moe_route", check_moe_route}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
+        {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
+        {"attention_prefill", check_attention_prefill}, {"attention_decode", check_attention_decode},
+        {"attention_decode_batch", check_attention_decode_batch}};
+    for (const auto& [name, check] : checks)
+      if (want(name)) check();
   }
   if (!kernels_only) {
     std::printf("== models: CUDA backend vs CPU backend ==\n");
@@ -935,10 +1061,15 @@ int main(int argc, char** argv) {
       check_model(n, dir, test::ints(ref.get("ids")), 32);
     }
   }
-  std::printf("== timing ==\n");
-  gemv_bandwidth(14336, 4096);
-  gemv_bandwidth(4096, 14336);
-  gemv_bandwidth(2048, 2048);
+  if (!only) {
+    std::printf("== timing ==\n");
+    gemv_bandwidth(14336, 4096);
+    gemv_bandwidth(4096, 14336);
+    gemv_bandwidth(2048, 2048);
+    attention_timing(3584, 16, 16, 128);  // OLMoE-1B-7B: the last chunk of a 4096-token prompt
+    attention_timing(3584, 32, 4, 128);   // Qwen3-30B-A3B
+    attention_timing(7680, 32, 8, 128);   // Mixtral-8x7B, the last chunk of 8192
+  }
   std::printf("== %d cases, %d failed ==\n", g_cases, g_fail);
   return g_fail ? 1 : 0;
 }

@@ -1,0 +1,289 @@
+// Prompt attention on the tensor cores, flash-style (kernels.h: attention_prefill). Twin:
+// attention_causal.
+//
+// Why: the split kernel (kernels.cu: attention) runs one block per (query head, key split, token),
+// so each query re-reads all its keys and every product runs on the CUDA cores; a 512-token chunk
+// over 4096 keys reads every K/V row T * G times. Here one block takes kRows query rows -- kRows / G
+// tokens times the G query heads of one KV head -- and walks that head's keys once, in tiles of
+// kTileK keys: every K/V tile read serves all kRows rows. Tiles come into shared memory by 16-byte
+// cp.async one tile ahead of use (two stages). S = Q K^T and O += P V run on mma.sync m16n8k16
+// (BF16 in, FP32 accumulate); the softmax is online, in FP32, in registers: warp w owns rows
+// 16w .. 16w+15, a lane two of them (lane / 4 and lane / 4 + 8), the lane's quad the rest of each
+// row (the mma accumulator layout), so a row max or sum is two shuffles. The S accumulators become
+// P's A fragments in place (same layout), with no trip through shared memory. Keys past a block's
+// last query position are never read; the causal mask is applied only in the tiles that reach past
+// its first query position (the diagonal ones).
+//
+// Precision (measured on an H200, tests/cuda/cuda_check.cpp, docs/cuda.md): Q is FP32 and enters as
+// two BF16 parts hi + lo (bf16_split), two MMAs summed, so the scores are FP32-level; K and V are BF16
+// in the cache (exact on the tensor cores). P, in [0, 1], enters as hi + lo as well (split_p, the
+// backend's default: error against the FP32 twin <= 4.2e-6) or rounded to BF16 once (1.6e-3, the
+// kernel 20-30% faster, TTFT ~2%); the row sums l add exactly the values that enter the MMA, so the
+// output is a normalized average of V either way. Each tile's P V goes into fresh accumulators and
+// is added to O in FP32: O kept inside the MMA accumulators across tiles drifted with the context
+// (2.1e-5 at 9000 keys, 3.4e-6 at 300), at a price of 20-35% in kernel time. No atomics: two
+// launches give the same bits.
+#include <cmath>
+
+#include <cuda_bf16.h>
+
+#include "cuda/device_math.cuh"
+#include "cuda/kernels.h"
+
+namespace tiermoe::cuda {
+namespace {
+
+constexpr int kWarps = 4, kThreads = kWarps * 32;
+constexpr int kRows = 16 * kWarps;  // query rows (token, head) per block
+constexpr int kTileK = 64;          // keys per K/V tile
+// O += P V in groups of kGroupN 8-dim column tiles, each its own accumulator chain. Measured (H200,
+// T = 512 over 4096 and 8192 keys): 2 and 4 within 2% of each other, 8 3-6% faster but with more
+// spills and not yet run under the sanitizers; 4 was.
+constexpr int kGroupN = 4;
+
+// Shared memory of one block: K and V tiles, two stages each, rows of Dh + 8 BF16 (16 bytes of
+// padding: the 8 rows an ldmatrix reads start 4 banks apart, no conflicts).
+__host__ __device__ constexpr int smem_ld(int dh) { return dh + 8; }
+constexpr size_t smem_bytes(int dh) { return size_t(4) * kTileK * smem_ld(dh) * sizeof(__nv_bfloat16); }
+
+// 16 bytes global -> shared, or 16 zero bytes when !fill (keys past the last one asked for: their
+// V rows are multiplied by P = 0, and 0 * NaN would poison the row).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fill) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(fill ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Four 8x8 BF16 matrices from shared memory; lane i gives the address of row i % 8 of matrix i / 8.
+// Without .trans lane l receives row l / 4, columns 2 (l % 4) .. +1 of each; with .trans, column
+// l / 4, rows 2 (l % 4) .. +1.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// d[16x8] += a[16x16] b[16x8], BF16 in, FP32 accumulate. Lane l holds: a {(r, c), (r + 8, c),
+// (r, c + 8), (r + 8, c + 8)} as BF16 pairs, r = l / 4, c = 2 (l % 4); b {(c, n), (c + 8, n)}, n = l / 4;
+// d {(r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)} with c = 2 (l % 4) as the column.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack(__nv_bfloat16 lo_half, __nv_bfloat16 hi_half) {
+  return uint32_t(__bfloat16_as_ushort(lo_half)) | uint32_t(__bfloat16_as_ushort(hi_half)) << 16;
+}
+
+// (x, y) -> BF16 pair hi, and lo = the pair of remainders; returns hi + lo (or hi alone when !SPLIT)
+// summed in FP32: what the MMA will see of x + y.
+template <bool SPLIT>
+__device__ __forceinline__ float split_pair(float x, float y, uint32_t& hi, uint32_t& lo) {
+  __nv_bfloat16 hx, lx, hy, ly;
+  bf16_split(x, hx, lx);
+  bf16_split(y, hy, ly);
+  hi = pack(hx, hy);
+  lo = pack(lx, ly);
+  const float h = __bfloat162float(hx) + __bfloat162float(hy);
+  return SPLIT ? h + (__bfloat162float(lx) + __bfloat162float(ly)) : h;
+}
+
+// grid (ceil(T / (kRows / G)), Hkv), kThreads threads, smem_bytes(DH) dynamic shared memory.
+// Block row r = token t0 + r / G, head kvh * G + r % G (rows past the block's tokens: padding).
+template <int DH, bool SPLIT_P>
+__global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
+    float* __restrict__ out, const float* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
+    const __nv_bfloat16* __restrict__ vc, const int32_t* __restrict__ pos, int T, int H, int Hkv, int G,
+    float scale_log2) {
+  constexpr int LD = smem_ld(DH), KC = DH / 16, NT = kTileK / 8, DT = DH / 8, NG = kGroupN;
+  static_assert(DT % NG == 0 && NG % 2 == 0);
+  extern __shared__ __align__(16) __nv_bfloat16 smem[];
+  __nv_bfloat16* ks = smem;                      // [2][kTileK][LD]
+  __nv_bfloat16* vs = smem + 2 * kTileK * LD;    // [2][kTileK][LD]
+  const int TQ = kRows / G, kvh = blockIdx.y;
+  const int t0 = (gridDim.x - 1 - blockIdx.x) * TQ;  // the longest query tiles start first
+  const int nt = min(TQ, T - t0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, qi = lane & 3;
+
+  // This lane's rows i = 0, 1: block row warp * 16 + lane / 4 + 8 i; offset of its [Dh] in q and
+  // out, or -1 for padding (every key masked, nothing written).
+  auto row_offset = [&](int i) -> long long {
+    const int r = warp * 16 + quad + 8 * i, t = r / G;
+    return r < TQ * G && t < nt ? (long long)((size_t(t0 + t) * H + size_t(kvh) * G + r % G) * DH) : -1;
+  };
+  int rpos[2];  // the rows' query positions (-1: padding)
+  uint32_t qh[KC][4], ql[KC][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const long long off = row_offset(i);
+    rpos[i] = off >= 0 ? pos[t0 + (warp * 16 + quad + 8 * i) / G] : -1;
+#pragma unroll
+    for (int kk = 0; kk < KC; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float2 v = make_float2(0.f, 0.f);
+        if (off >= 0) v = *reinterpret_cast<const float2*>(q + off + 16 * kk + 8 * half + 2 * qi);
+        split_pair<true>(v.x, v.y, qh[kk][2 * half + i], ql[kk][2 * half + i]);
+      }
+  }
+  const int p_lo = pos[t0], n_keys = pos[t0 + nt - 1] + 1;  // positions non-decreasing
+  const int n_tiles = (n_keys + kTileK - 1) / kTileK;
+
+  auto load_tile = [&](int tile, int stage) {
+    const int k0 = tile * kTileK;
+    for (int i = threadIdx.x; i < kTileK * DH / 8; i += kThreads) {
+      const int r = i / (DH / 8), c = (i % (DH / 8)) * 8, key = k0 + r;
+      const size_t off = (size_t(min(key, n_keys - 1)) * Hkv + kvh) * DH + c;
+      cp_async16(ks + (stage * kTileK + r) * LD + c, kc + off, key < n_keys);
+      cp_async16(vs + (stage * kTileK + r) * LD + c, vc + off, key < n_keys);
+    }
+    cp_async_commit();
+  };
+
+  float o[DT][4] = {};                          // O rows (lane/4, lane/4 + 8), unnormalized
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's part of the sum
+  load_tile(0, 0);
+  for (int it = 0; it < n_tiles; ++it) {
+    if (it + 1 < n_tiles) {
+      load_tile(it + 1, (it + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const __nv_bfloat16* kt = ks + (it & 1) * kTileK * LD;
+    const __nv_bfloat16* vt = vs + (it & 1) * kTileK * LD;
+
+    // S[16 rows, kTileK keys] = Q K^T, Q as hi + lo. One ldmatrix: keys 8j .. 8j+7, dims of two k-chunks.
+    float s[NT][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KC; kk += 2)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        uint32_t b[4];
+        ldmatrix_x4(b, kt + (8 * j + (lane & 7)) * LD + 16 * kk + 8 * (lane >> 3));
+        mma_bf16(s[j], qh[kk], b[0], b[1]);
+        mma_bf16(s[j], ql[kk], b[0], b[1]);
+        mma_bf16(s[j], qh[kk + 1], b[2], b[3]);
+        mma_bf16(s[j], ql[kk + 1], b[2], b[3]);
+      }
+
+    // Online softmax in log2 units; the mask only where the tile reaches past the first query.
+    const int k0 = it * kTileK;
+    const bool diagonal = k0 + kTileK - 1 > p_lo;
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1, key = k0 + 8 * j + 2 * qi + (e & 1);
+        float x = s[j][e] * scale_log2;
+        if (diagonal && key > rpos[i]) x = -INFINITY;
+        s[j][e] = x;
+        mx[i] = fmaxf(mx[i], x);
+      }
+    float base[2], corr[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      base[i] = mx[i] == -INFINITY ? 0.f : mx[i];  // a row with no visible key yet: p = 0, no NaN
+      corr[i] = exp2f(m[i] - base[i]);
+      m[i] = mx[i];
+      l[i] *= corr[i];
+    }
+
+    // P as the A fragments of the tile's 16-key chunks, straight from S: chunk c = S tiles 2c, 2c+1.
+    uint32_t ph[kTileK / 16][4], pl[kTileK / 16][4];
+#pragma unroll
+    for (int c = 0; c < kTileK / 16; ++c)
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {  // fragment register f: row i = f & 1 of S tile 2c + f / 2
+        const int i = f & 1;
+        const float* sv = s[2 * c + (f >> 1)] + 2 * i;
+        l[i] += split_pair<SPLIT_P>(exp2f(sv[0] - base[i]), exp2f(sv[1] - base[i]), ph[c][f], pl[c][f]);
+      }
+    // O = O * corr + P V, 8 + 8 dims at a time: the tile's P V in fresh accumulators, added to O in
+    // FP32 (see Precision above).
+#pragma unroll
+    for (int dn = 0; dn < DT; dn += NG) {
+      float pv[NG][4] = {};  // NG independent accumulator chains: consecutive MMAs do not wait on each other
+#pragma unroll
+      for (int c = 0; c < kTileK / 16; ++c) {
+        uint32_t b[NG / 2][4];  // V rows 16c .. 16c+15, dims 8 dn .. 8 (dn + NG) - 1 (ldmatrix.trans: B fragments)
+#pragma unroll
+        for (int g = 0; g < NG / 2; ++g)
+          ldmatrix_x4_trans(b[g],
+                            vt + (16 * c + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (dn + 2 * g + (lane >> 4)));
+#pragma unroll
+        for (int g = 0; g < NG; ++g) mma_bf16(pv[g], ph[c], b[g / 2][2 * (g & 1)], b[g / 2][2 * (g & 1) + 1]);
+        if (SPLIT_P)
+#pragma unroll
+          for (int g = 0; g < NG; ++g) mma_bf16(pv[g], pl[c], b[g / 2][2 * (g & 1)], b[g / 2][2 * (g & 1) + 1]);
+      }
+#pragma unroll
+      for (int g = 0; g < NG; ++g)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[dn + g][e] = fmaf(o[dn + g][e], corr[e >> 1], pv[g][e]);
+    }
+    __syncthreads();  // this stage is consumed before the next iteration's load overwrites it
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    const long long off = row_offset(i);
+    if (off < 0) continue;
+    float* orow = out + off + 2 * qi;
+#pragma unroll
+    for (int dn = 0; dn < DT; ++dn)
+      *reinterpret_cast<float2*>(orow + 8 * dn) = make_float2(o[dn][2 * i] / l[i], o[dn][2 * i + 1] / l[i]);
+  }
+}
+
+template <int DH, bool SPLIT_P>
+cudaError_t launch_prefill(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T,
+                           int H, int Hkv, cudaStream_t s) {
+  // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
+  static const cudaError_t opt_in = cudaFuncSetAttribute(
+      attention_prefill_kernel<DH, SPLIT_P>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
+  if (opt_in != cudaSuccess) return opt_in;
+  const int G = H / Hkv, TQ = kRows / G;
+  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
+  attention_prefill_kernel<DH, SPLIT_P><<<dim3((T + TQ - 1) / TQ, Hkv), kThreads, smem_bytes(DH), s>>>(
+      out, q, reinterpret_cast<const __nv_bfloat16*>(kc), reinterpret_cast<const __nv_bfloat16*>(vc), pos, T, H, Hkv,
+      G, scale_log2);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool attention_prefill_supported(int H, int Hkv, int Dh) {
+  return Hkv > 0 && H % Hkv == 0 && H / Hkv <= kPrefillMaxG && (Dh == 64 || Dh == 128);
+}
+
+cudaError_t attention_prefill(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T,
+                              int H, int Hkv, int Dh, bool split_p, cudaStream_t s) {
+  if (!attention_prefill_supported(H, Hkv, Dh) || T < 0) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  if (Dh == 64)
+    return split_p ? launch_prefill<64, true>(out, q, kc, vc, pos, T, H, Hkv, s)
+                   : launch_prefill<64, false>(out, q, kc, vc, pos, T, H, Hkv, s);
+  return split_p ? launch_prefill<128, true>(out, q, kc, vc, pos, T, H, Hkv, s)
+                 : launch_prefill<128, false>(out, q, kc, vc, pos, T, H, Hkv, s);
+}
+
+}  // namespace tiermoe::cuda
