@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "core/dtype.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_codec.h"
 #include "kv/kv_profile.h"
@@ -331,10 +332,12 @@ std::vector<float> attend_all(KvCache& c, const KvGeometry& g, const Tokens& x, 
   return out;
 }
 
-// `default` refits online (small_spec: fits at 64, 128 and 256 tokens).
+// `default` refits online (small_spec: fits at 64, 128 and 256 tokens); here keeping every
+// version (without recode), so each can be compared.
 TEST(TieredKvCache, RefitsAreDeterministicAndMakeNewVersions) {
   const KvGeometry g{1, 2, 4, 32, 10000.f};
-  const KvSpec s = small_spec("default");
+  KvSpec s = small_spec("default");
+  s.recode = false;
   ASSERT_EQ(s.refits, 2);
   const Tokens x = random_tokens(g, 300, 21);
   auto saved = [&](const std::vector<int>& lens, int version) {
@@ -356,10 +359,12 @@ TEST(TieredKvCache, RefitsAreDeterministicAndMakeNewVersions) {
   }
 }
 
-// A page keeps the codec version it was coded with: a refit changes no code of an older page.
+// Without recode a page keeps the codec version it was coded with: a refit changes no code
+// of an older page.
 TEST(TieredKvCache, PagesCodedBeforeARefitDecodeTheSameAfterIt) {
   const KvGeometry g{1, 2, 4, 32, 10000.f};
   KvSpec s = small_spec("default");
+  s.recode = false;
   s.middle = 4096;  // no archive cut in this run: a page's codes stay whole
   const Tokens x = random_tokens(g, 300, 5);
   auto c = make_kv_cache(g, s);
@@ -389,24 +394,70 @@ TEST(TieredKvCache, PagesCodedBeforeARefitDecodeTheSameAfterIt) {
 }
 
 // No query sees a codec fitted on tokens after it: two sequences equal up to 140 tokens (past
-// the refit at 128) give the same attention for their first 140 queries, in one chunk each.
+// the refit at 128) give the same attention for their first 140 queries, in one chunk each;
+// with and without re-coding the older pages at each refit.
 TEST(TieredKvCache, RefitsAreCausal) {
   const KvGeometry g{1, 2, 4, 32, 10000.f};
-  const KvSpec s = small_spec("default");
-  const Tokens a = random_tokens(g, 300, 8);
-  Tokens b = random_tokens(g, 300, 9);
-  const size_t kvr = size_t(g.num_kv_heads) * g.head_dim, qr = size_t(g.num_heads) * g.head_dim;
-  std::copy_n(a.k.begin(), 140 * kvr, b.k.begin());
-  std::copy_n(a.v.begin(), 140 * kvr, b.v.begin());
-  std::copy_n(a.q.begin(), 140 * qr, b.q.begin());
-  auto ca = make_kv_cache(g, s), cb = make_kv_cache(g, s);
-  const auto oa = attend_all(*ca, g, a, {300}), ob = attend_all(*cb, g, b, {300});
-  ASSERT_EQ(tiered_cache_versions(*ca), 3);
-  EXPECT_TRUE(std::equal(oa.begin(), oa.begin() + long(140 * qr), ob.begin()));
-  EXPECT_FALSE(std::equal(oa.begin() + long(140 * qr), oa.end(), ob.begin() + long(140 * qr)));
-  // And decode semantics: the same outputs whatever the chunking.
-  auto cc = make_kv_cache(g, s);
-  EXPECT_EQ(attend_all(*cc, g, a, {63, 2, 60, 1, 1, 1, 100, 72}), oa);
+  for (bool recode : {false, true}) {
+    KvSpec s = small_spec("default");
+    s.recode = recode;
+    const Tokens a = random_tokens(g, 300, 8);
+    Tokens b = random_tokens(g, 300, 9);
+    const size_t kvr = size_t(g.num_kv_heads) * g.head_dim, qr = size_t(g.num_heads) * g.head_dim;
+    std::copy_n(a.k.begin(), 140 * kvr, b.k.begin());
+    std::copy_n(a.v.begin(), 140 * kvr, b.v.begin());
+    std::copy_n(a.q.begin(), 140 * qr, b.q.begin());
+    auto ca = make_kv_cache(g, s), cb = make_kv_cache(g, s);
+    const auto oa = attend_all(*ca, g, a, {300}), ob = attend_all(*cb, g, b, {300});
+    ASSERT_EQ(tiered_cache_versions(*ca), 3);
+    EXPECT_TRUE(std::equal(oa.begin(), oa.begin() + long(140 * qr), ob.begin())) << recode;
+    EXPECT_FALSE(std::equal(oa.begin() + long(140 * qr), oa.end(), ob.begin() + long(140 * qr))) << recode;
+    // And decode semantics: the same outputs whatever the chunking.
+    auto cc = make_kv_cache(g, s);
+    EXPECT_EQ(attend_all(*cc, g, a, {63, 2, 60, 1, 1, 1, 100, 72}), oa) << recode;
+  }
+}
+
+// With recode, a refit codes every page again with the new codec, from the rows the refits
+// hold: after the last refit every coded page decodes as its own rows coded by the newest
+// codec, and only that codec is held (less metadata than keeping every version).
+TEST(TieredKvCache, RecodeCodesEveryPageWithTheNewestFit) {
+  const KvGeometry g{1, 2, 4, 32, 10000.f};
+  KvSpec s = small_spec("default");
+  s.middle = 4096;  // every coded page keeps all its stages
+  ASSERT_TRUE(s.recode);
+  KvSpec keep = s;
+  keep.recode = false;
+  const Tokens x = random_tokens(g, 300, 13);
+  auto c = make_kv_cache(g, s), c_keep = make_kv_cache(g, keep);
+  attend_all(*c, g, x, {100, 1, 1, 60, 138});  // fits at 64, 128 and 256
+  attend_all(*c_keep, g, x, {300});
+  ASSERT_EQ(tiered_cache_versions(*c), 3);
+  EXPECT_TRUE(tiered_cache_codecs(*c, 0).empty());
+  EXPECT_TRUE(tiered_cache_codecs(*c, 1).empty());
+  const auto codecs = tiered_cache_codecs(*c, 2);  // [Hkv][K, V]
+  ASSERT_EQ(codecs.size(), 4u);
+  const size_t kvr = size_t(g.num_kv_heads) * g.head_dim;
+  int pages = 0;
+  for (int pg = 1; (pg + 1) * s.page + s.window <= 300; ++pg, ++pages)
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      int ver = -1;
+      const auto got = tiered_cache_decoded_page(*c, 0, 1, pg, h, ver);  // values: no RoPE
+      EXPECT_EQ(ver, 2) << pg;
+      const VqCodec& vc = codecs[size_t(h) * 2 + 1];
+      std::vector<uint16_t> codes(size_t(vc.n_codes()));
+      std::vector<uint8_t> anc(vc.anchors.size() + 1);
+      for (int t = 0; t < s.page; ++t) {
+        float row[32], want[32], norm;
+        for (int d = 0; d < g.head_dim; ++d) row[d] = bf16_to_f32(f32_to_bf16(x.v[size_t(pg * s.page + t) * kvr + size_t(h) * g.head_dim + d]));
+        vc.encode(row, codes.data(), anc.data(), &norm);
+        vc.decode(codes.data(), anc.data(), norm, vc.n_stages(), want);
+        for (int d = 0; d < g.head_dim; ++d)
+          ASSERT_NEAR(got[size_t(t) * g.head_dim + d], want[d], 1e-5f) << "page " << pg << " token " << t;
+      }
+    }
+  EXPECT_GT(pages, 20);  // pages coded before the refits at 128 and 256 among them
+  EXPECT_LT(c->stats().meta_bytes, c_keep->stats().meta_bytes);
 }
 
 TEST(KvSpecConfig, BadKeysAreNamed) {
@@ -424,6 +475,7 @@ TEST(KvSpecConfig, BadKeysAreNamed) {
   EXPECT_NE(err(R"({"window": "big"})").find("window"), std::string::npos);
   EXPECT_NE(err(R"({"preset": "nope"})").find("nope"), std::string::npos);
   EXPECT_NE(err(R"({"middle": 8, "window": 64})").find("middle"), std::string::npos);
+  EXPECT_NE(err(R"({"recode": true, "refit_rows": 1024})").find("recode"), std::string::npos);
   EXPECT_EQ(err(R"({"preset": "rvq-tiers", "middle": 1024, "k": {"stage_bits": [1, 1]}})"), "no error");
   EXPECT_THROW(kv_preset("kivi3"), InputError);
   for (const auto& n : kv_preset_names()) EXPECT_NO_THROW(kv_spec_from_json({{"preset", n}}, "x")) << n;

@@ -75,7 +75,8 @@ const std::map<std::string, std::function<KvSpec()>>& presets() {
       // Lloyd-Max with query-aware bit allocation; values PCA + allocated Lloyd-Max; two
       // progressive stages (middle: K 2.5 / V 1.75 bits, archive keeps the first stage:
       // K 1.75 / V 1.25 bits); calibrated online on the first 768 tokens and refitted at 1536 and
-      // 3072 on every token so far, keeping the first fit's PCA bases (new codebooks only).
+      // 3072 on every token so far, keeping the first fit's PCA bases (new codebooks only); each
+      // refit re-codes the older pages from the rows it read, so one codec version is held.
       {"default", [] {
          KvSpec s = tiered("default");
          s.k = pca_lloyd(1.75, 0.0, true, true);
@@ -89,6 +90,7 @@ const std::map<std::string, std::function<KvSpec()>>& presets() {
          s.refits = 2;
          s.refit_rows = 4096;
          s.refit_basis = false;
+         s.recode = true;
          return s;
        }},
   };
@@ -174,6 +176,7 @@ KvSpec kv_spec_from_json(const nlohmann::json& j, const std::string& where) {
     else if (k == "refits") s.refits = get_as<int>(v, key);
     else if (k == "refit_rows") s.refit_rows = get_as<int>(v, key);
     else if (k == "refit_basis") s.refit_basis = get_as<bool>(v, key);
+    else if (k == "recode") s.recode = get_as<bool>(v, key);
     else if (k == "kmeans_iters") s.kmeans_iters = get_as<int>(v, key);
     else if (k == "seed") s.seed = get_as<uint64_t>(v, key);
     else if (k == "lut_max_tokens") s.lut_max_tokens = get_as<int>(v, key);
@@ -188,6 +191,9 @@ KvSpec kv_spec_from_json(const nlohmann::json& j, const std::string& where) {
   if (s.calib_tokens < 16) throw InputError(where + ": calib_tokens: must be >= 16");
   if (s.refits < 0 || s.refits > 16) throw InputError(where + ": refits: must be in [0, 16]");
   if (s.refit_rows < 16) throw InputError(where + ": refit_rows: must be >= 16");
+  if (s.recode && s.refit_rows < (int64_t(s.calib_tokens) << s.refits))
+    throw InputError(where + ": recode: re-coding needs every row before the last fit, refit_rows >= " +
+                     std::to_string(int64_t(s.calib_tokens) << s.refits) + " (calib_tokens << refits)");
   if (s.archive_stages < 0) throw InputError(where + ": archive_stages: must be >= 0");
   for (const CodecSpec* c : {&s.k, &s.v})
     if (c->kind == "kivi" && s.page % c->group != 0 && c == &s.k)
@@ -205,7 +211,7 @@ nlohmann::json kv_spec_to_json(const KvSpec& s) {
   };
   if (s.exact) return {{"name", s.name}, {"exact", s.exact_f32 ? "f32" : "bf16"}};
   return {{"name", s.name}, {"sink", s.sink}, {"window", s.window}, {"middle", s.middle}, {"page", s.page},
-          {"archive_stages", s.archive_stages}, {"calib_tokens", s.calib_tokens}, {"refits", s.refits}, {"refit_rows", s.refit_rows}, {"refit_basis", s.refit_basis}, {"seed", s.seed},
+          {"archive_stages", s.archive_stages}, {"calib_tokens", s.calib_tokens}, {"refits", s.refits}, {"refit_rows", s.refit_rows}, {"refit_basis", s.refit_basis}, {"recode", s.recode}, {"seed", s.seed},
           {"k", codec(s.k)}, {"v", codec(s.v)}};
 }
 

@@ -51,6 +51,9 @@ struct KvSpec {
                                  // keep the codec they were coded with, new pages take the newest
   int refit_rows = 512;          // rows a refit reads (every fit_point / refit_rows-th token)
   bool refit_basis = true;       // refits fit a new rotation and mean too (else keep the first's)
+  bool recode = false;           // a refit re-codes every page coded so far from the BF16 rows the
+                                 // refits hold (needs every row: refit_rows >= the last fit point),
+                                 // and the older versions are dropped
   int kmeans_iters = 8;
   uint64_t seed = 1;
   int lut_max_tokens = 4;        // attend through lookup tables when T <= this (decode)

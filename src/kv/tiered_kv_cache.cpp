@@ -154,34 +154,21 @@ class TieredKvCache final : public KvCache {
     Layer& L = self->layers_[size_t(layer)];
     CHECK(T <= L.appended);
     const int p0 = L.len - T;
-    // Fits due by now, in order: each from the queries and rows before its point only.
-    while (int(L.codec.size()) < n_fits_ && L.len >= fit_point(int(L.codec.size()))) {
-      self->collect_queries(L, q, T, p0, fit_point(int(L.codec.size())));
-      self->fit(layer);
+    const size_t qrow = size_t(g_.num_heads) * g_.head_dim;
+    // The chunk in runs of queries that see the same fits: fit v is seen from the query at
+    // fit_point(v) - 1 on, and is made from the queries and rows before fit_point(v) only.
+    for (int a = p0; a < L.len;) {
+      int fits = int(L.codec.size());
+      for (; fits < n_fits_ && a >= fit_point(fits) - 1; ++fits) {
+        self->collect_queries(L, q, T, p0, fit_point(fits));
+        self->fit(layer);
+      }
+      const int b = fits < n_fits_ ? std::min(L.len, fit_point(fits) - 1) : L.len;
+      if (L.calibrated) self->encode_up_to(L, coded_end(b - 1));
+      attend_run(L, q + size_t(a - p0) * qrow, a, b - a, out + size_t(a - p0) * qrow);
+      a = b;
     }
     if (int(L.codec.size()) < n_fits_) self->collect_queries(L, q, T, p0, L.len);
-    if (L.calibrated) self->encode_up_to(L, coded_end(L.len - 1));
-    // Lookup tables hold one codec's codebooks; pages of several versions go the decoded way.
-    const bool lut = T <= spec_.lut_max_tokens && spec_.k.kind == "vq" && spec_.v.kind == "vq" && !rope_.on() &&
-                     L.codec.size() == 1;
-    const int H = g_.num_heads, Dh = g_.head_dim, group = H / g_.num_kv_heads;
-    if (lut) {
-      parallel_for(size_t(T) * H, [&](size_t b, size_t e) {
-        for (size_t i = b; i < e; ++i) attend_lut(L, q + i * Dh, p0 + int(i / H), int(i % H) / group, out + i * Dh);
-      });
-    } else {
-      for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
-        Decoded mid, arch;
-        decode_for_chunk(L, kvh, p0, L.len - 1, mid, arch);
-        parallel_for(size_t(T) * group, [&](size_t b, size_t e) {
-          thread_local std::vector<float> scores;
-          for (size_t i = b; i < e; ++i) {
-            const size_t qi = (i / group) * H + size_t(kvh) * group + i % group;  // (token, head) of query i
-            attend_decoded(L, mid, arch, q + qi * Dh, p0 + int(i / group), kvh, out + qi * Dh, scores);
-          }
-        });
-      }
-    }
     self->finish_chunk(L);
   }
 
@@ -389,10 +376,11 @@ class TieredKvCache final : public KvCache {
         const uint64_t seed = spec_.seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 131 + uint64_t(h) * 7 + uint64_t(kv) +
                               uint64_t(v) * 0xD1B54A32D192ED03ull;
         codec[i].fit(kv == 0 ? spec_.k : spec_.v, x.data(), N, Dh, qc, seed, spec_.kmeans_iters,
-                     v > 0 && !spec_.refit_basis ? &L.codec[0][i] : nullptr);
+                     v > 0 && !spec_.refit_basis ? &L.codec[size_t(v - 1)][i] : nullptr);
       }
     });
     L.calibrated = true;
+    if (spec_.recode) recode(L, v);
     if (v + 1 == n_fits_) {  // no fit left: free what only the fits needed
       std::vector<double>().swap(L.qcov);
       for (auto& smp : L.sample) std::vector<uint16_t>().swap(smp);
@@ -412,9 +400,46 @@ class TieredKvCache final : public KvCache {
     for (auto& smp : L.sample) smp.resize(keep * row);
   }
 
+  // Re-codes pages [0, coded) with version v from their BF16 rows (the page's own while it is
+  // in the window, else the refit sample's, which holds every row before the last fit), then
+  // drops the older versions: every query from now on reads every page through version v.
+  void recode(Layer& L, int v) {
+    const int P = spec_.page;
+    const size_t row = size_t(g_.num_kv_heads) * g_.head_dim;
+    parallel_for(size_t(L.coded) * 2, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        const int pg = int(i / 2), kv = int(i % 2);
+        PageStore& page = L.s[kv].pages[size_t(pg)];
+        PageStore fresh;
+        if (page.exact.empty()) {
+          const auto it = std::lower_bound(L.sample_pos.begin(), L.sample_pos.end(), pg * P);
+          CHECK(L.sample_pos.end() - it >= P && it[P - 1] == pg * P + P - 1);
+          const uint16_t* rows = L.sample[kv].data() + size_t(it - L.sample_pos.begin()) * row;
+          fresh.exact.assign(rows, rows + size_t(P) * row);
+        } else {
+          fresh.exact = page.exact;
+        }
+        fresh.version = v;
+        encode_page(fresh, codecs(L, kv, v), page_geo(pg), rope_);
+        fresh.exact = std::move(page.exact);  // the page's own rows, or none
+        if (pg < L.full_from)
+          truncate_page_stages(fresh, codecs(L, kv, v), page_geo(pg), stages_for(true, L.codec[size_t(v)][size_t(kv)]));
+        page = std::move(fresh);
+      }
+    });
+    for (int u = 0; u < v; ++u) std::vector<VqCodec>().swap(L.codec[size_t(u)]);
+    for (VqCodec& c : L.codec[size_t(v)]) c.shared_basis = false;  // now its basis's only holder
+  }
+  // Versions still held (with recode only the newest).
+  int live_versions(const Layer& L) const {
+    return int(std::count_if(L.codec.begin(), L.codec.end(), [](const auto& c) { return !c.empty(); }));
+  }
+
   // The codec version of page pg: the newest fitted by the step that first reads the page's
-  // codes (the first query whose window it left, or the first fit if that came later).
+  // codes (the first query whose window it left, or the first fit if that came later); with
+  // recode always the newest.
   int page_version(const Layer& L, int pg) const {
+    if (spec_.recode) return int(L.codec.size()) - 1;
     const int p = std::max((pg + 1) * spec_.page + spec_.window - 1, calib_pos_);
     int v = 0;
     while (v + 1 < n_fits_ && fit_point(v + 1) - 1 <= p) ++v;
@@ -471,7 +496,7 @@ class TieredKvCache final : public KvCache {
     ae = cal ? std::clamp(archive_end(p), sink, ce) : sink;
   }
   bool archive_differs(const Layer& L, int kv) const {
-    const VqCodec& c = L.codec[0][size_t(kv)];  // every version has the spec's stages
+    const VqCodec& c = L.codec.back()[size_t(kv)];  // every version has the spec's stages
     return stages_for(true, c) < c.n_stages();
   }
 
@@ -544,13 +569,38 @@ class TieredKvCache final : public KvCache {
       visit(1, j, [&](const auto* row) { axpy(coded ? y[v] : o, w, row, Dh); });
     }
     for (int v = 0; v < nv; ++v) {
-      if (w_coded[v] == 0.f && v > 0) continue;
+      if ((w_coded[v] == 0.f && v > 0) || L.codec[size_t(v)].empty()) continue;
       L.codec[size_t(v)][size_t(kvh) * 2 + 1].from_basis(y[v], w_coded[v], x);
       for (int i = 0; i < Dh; ++i) o[i] += x[i];
     }
   }
 
   bool values_in_basis() const { return spec_.v.kind == "vq"; }
+
+  // Attention of T queries at positions p0 .. p0 + T - 1, all seeing the same codec versions.
+  void attend_run(const Layer& L, const float* q, int p0, int T, float* out) const {
+    // Lookup tables hold one codec's codebooks; pages of several versions go the decoded way.
+    const bool lut = T <= spec_.lut_max_tokens && spec_.k.kind == "vq" && spec_.v.kind == "vq" && !rope_.on() &&
+                     live_versions(L) == 1;
+    const int H = g_.num_heads, Dh = g_.head_dim, group = H / g_.num_kv_heads;
+    if (lut) {
+      parallel_for(size_t(T) * H, [&](size_t b, size_t e) {
+        for (size_t i = b; i < e; ++i) attend_lut(L, q + i * Dh, p0 + int(i / H), int(i % H) / group, out + i * Dh);
+      });
+      return;
+    }
+    for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
+      Decoded mid, arch;
+      decode_for_chunk(L, kvh, p0, p0 + T - 1, mid, arch);
+      parallel_for(size_t(T) * group, [&](size_t b, size_t e) {
+        thread_local std::vector<float> scores;
+        for (size_t i = b; i < e; ++i) {
+          const size_t qi = (i / group) * H + size_t(kvh) * group + i % group;  // (token, head) of query i
+          attend_decoded(L, mid, arch, q + qi * Dh, p0 + int(i / group), kvh, out + qi * Dh, scores);
+        }
+      });
+    }
+  }
 
   void attend_lut(const Layer& L, const float* q, int p, int kvh, float* o) const {
     const int Dh = g_.head_dim, n = p + 1, P = spec_.page;
@@ -579,9 +629,10 @@ class TieredKvCache final : public KvCache {
     }
 
     // Coded part: per-query lookup tables over the key codebooks.
-    const VqCodec& kc = L.codec[0][size_t(kvh) * 2];  // one version (see attend)
-    const VqCodec& vc = L.codec[0][size_t(kvh) * 2 + 1];
-    const StreamCodecs kcs = codecs(L, 0, 0), vcs = codecs(L, 1, 0);
+    const int ver = int(L.codec.size()) - 1;  // the one version held (see attend_run)
+    const VqCodec& kc = L.codec[size_t(ver)][size_t(kvh) * 2];
+    const VqCodec& vc = L.codec[size_t(ver)][size_t(kvh) * 2 + 1];
+    const StreamCodecs kcs = codecs(L, 0, ver), vcs = codecs(L, 1, ver);
     float qr[256];  // the query in the key codec's rotated basis, rotated once
     if (kc.rot.empty()) std::copy_n(q, Dh, qr);
     else
@@ -684,7 +735,7 @@ std::vector<VqCodec> tiered_cache_codecs(const KvCache& c, int version) {
   std::vector<VqCodec> out;
   if (!t) return out;
   for (const Layer& L : t->layers()) {
-    if (int(L.codec.size()) <= version) return {};
+    if (int(L.codec.size()) <= version || L.codec[size_t(version)].empty()) return {};
     out.insert(out.end(), L.codec[size_t(version)].begin(), L.codec[size_t(version)].end());
   }
   return out;
