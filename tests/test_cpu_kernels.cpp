@@ -173,6 +173,28 @@ TEST(Sampler, TopPKeepsTheNucleus) {
   EXPECT_GT(seen[1], 400);
 }
 
+// The split: sample() is sample_token() with the uniform draw() returns, and draw() is the
+// number uniform_real_distribution<double>(0, total) drew before the split, scaled by total.
+TEST(Sampler, SampleIsSampleTokenOfTheDrawnUniform) {
+  std::vector<float> l = test::randn(1000, 3);
+  for (SamplingParams p : {SamplingParams{0.7f, 0, 0.9f, 5}, SamplingParams{1.5f, 50, 1.f, 6},
+                           SamplingParams{1.f, 0, 0.5f, 7}, SamplingParams{0.f, 0, 1.f, 8}}) {
+    Sampler a(p), b(p);
+    for (int i = 0; i < 100; ++i) {
+      const double u = b.draw();
+      EXPECT_EQ(a.sample(l), sample_token(l, p, u));
+    }
+  }
+  Sampler g({0.f, 0, 1.f, 9});
+  EXPECT_EQ(g.draw(), 0.0);  // greedy draws nothing
+  Sampler s({1.f, 0, 1.f, 11});
+  std::mt19937_64 rng(11);
+  for (double total : {1.0, 0.37, 12345.678, 3.0e-7}) {
+    const double before = std::uniform_real_distribution<double>(0.0, total)(rng);
+    EXPECT_EQ(s.draw() * total, before);
+  }
+}
+
 TEST(Sampler, RejectsBadParams) {
   EXPECT_THROW(Sampler({-1.f, 0, 1.f, 0}), InputError);
   EXPECT_THROW(Sampler({1.f, 0, 0.f, 0}), InputError);

@@ -6,6 +6,17 @@
 
 namespace tiermoe {
 
+void Backend::forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens) {
+  size_t n_rows = 0;
+  for (const SeqStep& s : steps) n_rows += size_t(s.n_logits);
+  CHECK_MSG(rows.size() == n_rows, "forward_sample: one SampleRow per logits row");
+  const size_t V = size_t(vocab_size());
+  std::vector<float> logits(rows.size() * V);  // [rows, V]
+  forward_batch(steps, logits.data());
+  for (size_t r = 0; r < rows.size(); ++r)
+    tokens[r] = sample_token(std::span<const float>(logits.data() + r * V, V), rows[r].params, rows[r].u);
+}
+
 void split_into_passes(std::span<const Backend::SeqStep> steps, int max_tokens, int vocab, float* logits,
                        const std::function<void(const std::vector<Backend::SeqStep>&, float*)>& run_pass) {
   std::vector<Backend::SeqStep> pass;

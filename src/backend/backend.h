@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/sampler.h"
 #include "kv/kv_cache.h"
 #include "model/weights.h"
 
@@ -18,6 +19,7 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  virtual int vocab_size() const = 0;  // V: the width of a logits row
 
   // A fresh KV cache for one sequence of this model.
   virtual std::unique_ptr<KvCache> new_cache() const = 0;
@@ -34,6 +36,16 @@ class Backend {
   // values to the step's cache; writes logits[sum of n_logits, V], steps in order. Each cache
   // appears at most once. Steps share the weight reads: this is continuous batching.
   virtual void forward_batch(std::span<const SeqStep> steps, float* logits) = 0;
+
+  // One logits row's sampling: its params and the uniform its Sampler drew (Sampler::draw).
+  struct SampleRow {
+    SamplingParams params;
+    double u = 0;
+  };
+
+  // forward_batch, then tokens[sum of n_logits] = sample_token(logits row r, rows[r]): a backend
+  // may sample on its device and return only the ids. This default samples host logits.
+  virtual void forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens);
 
   // One sequence: tokens[T], logits[n_logits, V] for its last n_logits tokens.
   void forward(std::span<const int32_t> tokens, KvCache& cache, int n_logits, float* logits) {

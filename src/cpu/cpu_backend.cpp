@@ -30,6 +30,7 @@ class CpuBackend final : public Backend {
     return make_exact_kv_cache(g, opts_.kv_dtype);
   }
 
+  int vocab_size() const override { return cfg_.vocab_size; }
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, logits,
                       [&](const std::vector<SeqStep>& pass, float* out) { forward_pass(pass, out); });

@@ -245,6 +245,7 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+  int vocab_size() const override { return cfg_.vocab_size; }
 
   std::unique_ptr<KvCache> new_cache() const override {
     const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20;

@@ -244,10 +244,12 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     budget -= n;
     n_prompt += n;
   }
-  // forward_batch writes logits in step order; with_logits follows the same order.
-  const int V = cfg_.vocab_size;
-  std::vector<float> logits(with_logits.size() * size_t(V));
-  backend_.forward_batch(steps, logits.data());
+  // Logits rows come in step order; with_logits follows the same order. Each row's uniform is
+  // drawn here, so the backend may sample on its device and return only the ids.
+  std::vector<Backend::SampleRow> rows;
+  for (Seq* s : with_logits) rows.push_back({s->sampler.params(), s->sampler.draw()});
+  std::vector<int32_t> ids(with_logits.size());
+  backend_.forward_sample(steps, rows, ids.data());
 
   const auto now = Clock::now();
   const int ctx = cfg_.max_position_embeddings;
@@ -260,7 +262,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   int n_generated = 0;
   for (size_t r = 0; r < with_logits.size(); ++r) {
     Seq& s = *with_logits[r];
-    const int32_t id = s.sampler.sample(std::span(logits.data() + r * size_t(V), size_t(V)));
+    const int32_t id = ids[r];
     if (s.generated == 0) observer_->on_first_token(seconds(now - s.arrival));
     else observer_->on_next_token(seconds(now - s.last_token));
     s.last_token = now;

@@ -1,5 +1,5 @@
 // Continuous batching, the engine's one decode loop: one thread owns the Backend and, every
-// iteration, runs one forward_batch over all running sequences (one token each when decoding,
+// iteration, runs one forward_sample over all running sequences (one token each when decoding,
 // a chunk of the prompt when prefilling), then admits waiting requests while their KV
 // reservation fits the budget. Callers (Engine::generate, the HTTP server's threads) submit
 // requests and read their output through a SeqStream; what the loop does is reported to a
