@@ -4,10 +4,10 @@
 // runs cuBLAS (BF16 inputs, FP32 accumulate and output).
 //
 // A decode step (one sequence, one token) makes no allocation and no host synchronization
-// before its logits are copied back: token id and position go to the device first, the router's
-// top-k ids and weights stay in device memory where the expert kernels read them, and the whole
-// step is captured once as a CUDA graph and replayed (re-captured only when the KV buffer or the
-// attention split count changes).
+// before its logits (or, through forward_sample, its sampled ids) are copied back: token id and
+// position go to the device first, the router's top-k ids and weights stay in device memory where
+// the expert kernels read them, and the whole step is captured once as a CUDA graph and replayed
+// (re-captured only when the KV buffer or the attention split count changes).
 #include "cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -25,6 +25,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "cuda/kernels.h"
+#include "cuda/sampling.h"
 
 namespace tiermoe {
 namespace {
@@ -240,6 +241,8 @@ class CudaBackend final : public Backend {
     cudaFreeHost(h_pos_);
     cudaFreeHost(h_logits_);
     cudaFreeHost(h_kv_ptrs_);
+    cudaFreeHost(h_sample_rows_);
+    cudaFreeHost(h_tokens_);
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
   }
@@ -256,6 +259,23 @@ class CudaBackend final : public Backend {
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, logits,
                       [&](const std::vector<SeqStep>& pass, float* out) { forward_pass(pass, out); });
+  }
+
+  // The same passes, each sampled on the device from logits_ (sampling.cu): B ids come back
+  // instead of [B, V] logits. TIERMOE_CUDA_SAMPLE=0 (read at every call, for A/B): the host
+  // samples the copied-back logits (Backend's default).
+  void forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens) override {
+    if (const char* e = std::getenv("TIERMOE_CUDA_SAMPLE"); e && e[0] == '0')
+      return Backend::forward_sample(steps, rows, tokens);
+    size_t n_rows = 0;
+    for (const SeqStep& s : steps) n_rows += size_t(s.n_logits);
+    CHECK_MSG(rows.size() == n_rows, "forward_sample: one SampleRow per logits row");
+    size_t done = 0;
+    split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, nullptr, [&](const std::vector<SeqStep>& pass, float*) {
+      const int n = launch_pass(pass);
+      sample_pass(rows.subspan(done, size_t(n)), tokens + done);
+      done += size_t(n);
+    });
   }
 
   // Weights: from a checkpoint, or random (dummy).
@@ -303,6 +323,10 @@ class CudaBackend final : public Backend {
   void alloc_workspace();
   void read_switches();
   void forward_pass(const std::vector<SeqStep>& pieces, float* logits);
+  // Queues one pass (graph replay or eager launches) without waiting; its logits rows stay in
+  // logits_. Returns how many rows.
+  int launch_pass(const std::vector<SeqStep>& pieces);
+  void sample_pass(std::span<const SampleRow> rows, int32_t* tokens);
   void run_layers(const std::vector<Piece>& pieces, int T, int n_logits);
   void linear(float* y, const float* x, const DLinear& W, int T, bool accumulate);
   void gemm(float* y, const bf16* xb, const bf16* w, int T, int N, int K, bool accumulate);
@@ -354,6 +378,13 @@ class CudaBackend final : public Backend {
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
   float* h_logits_ = nullptr;
   static constexpr int kPinnedLogitRows = 8;
+  // Device sampling: rows of a pass (at most max_chunk), sampled kSampleRows at a time in a
+  // scratch preallocated for that many rows (about 20 * kSampleRows * V bytes).
+  static constexpr int kSampleRows = 64;
+  cuda::SampleRowDevice *sample_rows_ = nullptr, *h_sample_rows_ = nullptr;
+  int32_t *tokens_ = nullptr, *h_tokens_ = nullptr;
+  void* sample_scratch_ = nullptr;
+  size_t sample_scratch_bytes_ = 0;
   static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
 
   // Captured decode steps. Batch 1: one per (KV buffers, capacity, attention split count, logits
@@ -439,6 +470,13 @@ void CudaBackend::alloc_workspace() {
   CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
+  sample_rows_ = dalloc<cuda::SampleRowDevice>(owned_, size_t(Tm));
+  tokens_ = dalloc<int32_t>(owned_, size_t(Tm));
+  CUDA_CK(cudaMallocHost(&h_sample_rows_, size_t(Tm) * sizeof(cuda::SampleRowDevice)));
+  CUDA_CK(cudaMallocHost(&h_tokens_, size_t(Tm) * 4));
+  sample_scratch_bytes_ = cuda::sample_tokens_scratch_bytes(std::min(Tm, kSampleRows), cfg_.vocab_size);
+  CHECK_MSG(sample_scratch_bytes_ > 0, "sampling scratch: vocabulary too large");
+  sample_scratch_ = dalloc<char>(owned_, sample_scratch_bytes_);
 }
 
 void CudaBackend::upload(const ModelWeights& w) {
@@ -674,6 +712,38 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
 }
 
 void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits) {
+  const int n_logits = launch_pass(steps);
+  const size_t bytes = size_t(n_logits) * cfg_.vocab_size * 4;
+  if (logits && n_logits > 0 && n_logits <= kPinnedLogitRows) {
+    CUDA_CK(cudaMemcpyAsync(h_logits_, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CK(cudaStreamSynchronize(stream_));
+    std::memcpy(logits, h_logits_, bytes);
+  } else if (logits && n_logits > 0) {
+    CUDA_CK(cudaMemcpyAsync(logits, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CK(cudaStreamSynchronize(stream_));
+  } else {
+    CUDA_CK(cudaStreamSynchronize(stream_));
+  }
+}
+
+// After the graph replay, outside it: the rows' params and u change at every step.
+void CudaBackend::sample_pass(std::span<const SampleRow> rows, int32_t* tokens) {
+  const int n = int(rows.size()), V = cfg_.vocab_size;
+  for (int r = 0; r < n; ++r)
+    h_sample_rows_[r] = {rows[r].params.temperature, rows[r].params.top_k, rows[r].params.top_p, rows[r].u};
+  if (n > 0) {
+    CUDA_CK(cudaMemcpyAsync(sample_rows_, h_sample_rows_, size_t(n) * sizeof(cuda::SampleRowDevice),
+                            cudaMemcpyHostToDevice, stream_));
+    for (int r = 0; r < n; r += kSampleRows)
+      CUDA_CK(cuda::sample_tokens(tokens_ + r, logits_ + size_t(r) * V, sample_rows_ + r, std::min(kSampleRows, n - r), V,
+                                  sample_scratch_, sample_scratch_bytes_, stream_));
+    CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
+  }
+  CUDA_CK(cudaStreamSynchronize(stream_));  // also: the pinned inputs are free for the next pass
+  if (n > 0) std::memcpy(tokens, h_tokens_, size_t(n) * 4);
+}
+
+int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
   read_switches();
   int T = 0, n_logits = 0;
   std::vector<Piece> pieces;
@@ -760,18 +830,7 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
     run_layers(pieces, T, n_logits);
   }
   for (const Piece& p : pieces) p.cache->advance(p.n);
-
-  const size_t bytes = size_t(n_logits) * cfg_.vocab_size * 4;
-  if (logits && n_logits > 0 && n_logits <= kPinnedLogitRows) {
-    CUDA_CK(cudaMemcpyAsync(h_logits_, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
-    CUDA_CK(cudaStreamSynchronize(stream_));
-    std::memcpy(logits, h_logits_, bytes);
-  } else if (logits && n_logits > 0) {
-    CUDA_CK(cudaMemcpyAsync(logits, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
-    CUDA_CK(cudaStreamSynchronize(stream_));
-  } else {
-    CUDA_CK(cudaStreamSynchronize(stream_));
-  }
+  return n_logits;
 }
 
 }  // namespace

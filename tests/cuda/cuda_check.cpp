@@ -38,6 +38,7 @@
 #include "cpu/ops.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/kernels.h"
+#include "cuda/sampling.h"
 #include "engine/sampler.h"
 #include "test_util.h"
 
@@ -700,6 +701,138 @@ void check_attention_decode_batch() {
   }
 }
 
+// ---- sampling: sample_tokens() against sample_token() ----
+
+// How a GPU token compares with sample_token(): Exact; Boundary when it is what sample_token gives
+// with u moved by 1e-9 (u * total within 1e-9 of total from the boundary between the two
+// candidates' intervals) or top_p moved to a neighbouring float (the nucleus sum within ~6e-8 of
+// top_p): the device's exp() and block sums differ from glibc's exp and sequential sums by ulps,
+// so only such rows may part; Wrong otherwise.
+enum class Match { Exact, Boundary, Wrong };
+Match classify(std::span<const float> l, const SamplingParams& p, double u, int32_t got) {
+  if (got == sample_token(l, p, u)) return Match::Exact;
+  for (double v : {std::max(0.0, u - 1e-9), std::min(u + 1e-9, std::nextafter(1.0, 0.0))})
+    if (got == sample_token(l, p, v)) return Match::Boundary;
+  for (float tp : {std::nextafter(p.top_p, 0.f), std::min(1.f, std::nextafter(p.top_p, 2.f))}) {
+    SamplingParams q = p;
+    q.top_p = tp;
+    if (got == sample_token(l, q, u)) return Match::Boundary;
+  }
+  return Match::Wrong;
+}
+
+cu::SampleRowDevice device_row(const SamplingParams& p, double u) { return {p.temperature, p.top_k, p.top_p, u}; }
+
+// Launches sample_tokens twice (scratch and output poisoned in between); false when the two
+// runs differ. tokens: the first run's.
+bool run_sampling(const Dev<float>& logits, const std::vector<cu::SampleRowDevice>& rows, int B, int V,
+                  std::vector<int32_t>& tokens) {
+  Dev<cu::SampleRowDevice> dr(rows);
+  Dev<int32_t> dt{size_t(B)};
+  const size_t bytes = cu::sample_tokens_scratch_bytes(B, V);
+  Dev<char> scratch(bytes);
+  CK(cu::sample_tokens(dt.p, logits.p, dr.p, B, V, scratch.p, bytes, 0));
+  tokens = dt.get();
+  dt.poison();
+  scratch.poison();
+  CK(cu::sample_tokens(dt.p, logits.p, dr.p, B, V, scratch.p, bytes, 0));
+  return dt.get() == tokens;
+}
+
+void check_sampling() {
+  // Rows cycle through these params and uniforms; greedy and sampled rows mix in one launch.
+  auto params_for = [](int V) {
+    return std::vector<SamplingParams>{{0.f, 0, 1.f, 0},    {1.f, 1, 1.f, 0},   {1.f, 50, 1.f, 0},
+                                       {1.f, V, 1.f, 0},    {1.f, 0, 0.9f, 0},  {1.f, 0, 0.5f, 0},
+                                       {0.7f, 0, 1.f, 0},   {1.5f, 40, 0.95f, 0}, {0.7f, 0, 0.9f, 0}};
+  };
+  std::uniform_real_distribution<double> unif(0.0, 1.0);
+  const std::vector<double> fixed_u = {0.0, 1e-12, 0.5, 0.999999};
+  // Logits: "randn" (N(0, 3)), "ties" (N(0, 3) rounded to quarters: many equal logits, -0 and +0
+  // among them), "equal" (all 0).
+  for (const char* kind : {"randn", "ties", "equal"})
+    for (int V : {7, 1000, 8192, 151936})
+      for (int B : {1, 8, 64}) {
+        if (std::strcmp(kind, "randn") != 0 && V == 151936 && B == 64) continue;  // CPU time
+        const auto params = params_for(V);
+        // B = 1: every (params, u) in its own launch; B > 1: row b takes params b % 9.
+        const int launches = B == 1 ? int(params.size() * (fixed_u.size() + 1)) : 1;
+        int wrong = 0, boundary = 0, rows_checked = 0;
+        bool same = true;
+        std::string first_wrong;
+        for (int launch = 0; launch < launches; ++launch) {
+          std::vector<float> l = randn(size_t(B) * V, 3.f);
+          if (std::strcmp(kind, "ties") == 0)
+            for (float& x : l) x = std::round(x * 4.f) / 4.f;
+          if (std::strcmp(kind, "equal") == 0) std::fill(l.begin(), l.end(), 0.f);
+          std::vector<cu::SampleRowDevice> rows(B);
+          std::vector<SamplingParams> ps(B);
+          std::vector<double> us(B);
+          for (int b = 0; b < B; ++b) {
+            const int i = B == 1 ? launch : b;
+            ps[b] = params[size_t(i) % params.size()];
+            const size_t ui = size_t(i) / params.size() % (fixed_u.size() + 1);
+            us[b] = ui < fixed_u.size() ? fixed_u[ui] : unif(rng);
+            rows[b] = device_row(ps[b], us[b]);
+          }
+          Dev<float> dl(l);
+          std::vector<int32_t> got;
+          same = run_sampling(dl, rows, B, V, got) && same;
+          for (int b = 0; b < B; ++b) {
+            const std::span<const float> row(l.data() + size_t(b) * V, size_t(V));
+            const Match m = classify(row, ps[b], us[b], got[b]);
+            ++rows_checked;
+            if (m == Match::Boundary) ++boundary;
+            if (m == Match::Wrong && wrong++ == 0)
+              first_wrong = fmt(" first wrong: T=%.2f top_k=%d top_p=%.2f u=%.3g got %d, CPU %d", ps[b].temperature,
+                                ps[b].top_k, ps[b].top_p, us[b], got[b], sample_token(row, ps[b], us[b]));
+          }
+        }
+        report(fmt("sample_tokens %-5s V=%d B=%d (%d rows), wrong tokens", kind, V, B, rows_checked), wrong, 0,
+               fmt("boundary rows %d, two runs %s%s", boundary, same ? "identical" : "DIFFER", first_wrong.c_str()));
+        if (!same) ++g_fail;
+      }
+  {  // greedy ties: equal maxima go to the lower index; an all -inf row to index 0
+    const int V = 7;
+    const float inf = INFINITY;
+    std::vector<float> l = {1, 3, 3, 0, 3, -1, 2, /**/ 5, 5, 5, 5, 5, 5, 5, /**/ -inf, -inf, -inf, -inf, -inf, -inf, -inf,
+                            /**/ -2, -1, -0.f, 0.f, -3, 0.f, -1};
+    const std::vector<int32_t> expect = {1, 0, 0, 2};
+    std::vector<cu::SampleRowDevice> rows = {device_row({0.f, 0, 1.f, 0}, 0.5), device_row({1.f, 1, 1.f, 0}, 0.9),
+                                             device_row({0.f, 5, 0.5f, 0}, 0.0), device_row({0.f, 0, 1.f, 0}, 0.1)};
+    Dev<float> dl(l);
+    std::vector<int32_t> got;
+    const bool same = run_sampling(dl, rows, 4, V, got);
+    int wrong = 0;
+    for (int b = 0; b < 4; ++b) wrong += got[b] != expect[b] || got[b] != argmax(std::span(l.data() + b * V, V));
+    report("sample_tokens greedy ties V=7 B=4 (argmax, ties to the lower index)", wrong, 0,
+           same ? "two runs identical" : "two runs DIFFER");
+    if (!same) ++g_fail;
+  }
+  {  // V = 1: every row picks token 0 (sampled rows too)
+    Dev<float> dl(std::vector<float>{0.3f, -2.f});
+    std::vector<int32_t> got;
+    const bool same = run_sampling(dl, {device_row({1.f, 0, 0.5f, 0}, 0.7), device_row({0.f, 0, 1.f, 0}, 0.0)}, 2, 1, got);
+    report("sample_tokens V=1 B=2 (one sampled row, one greedy)", (got[0] != 0) + (got[1] != 0), 0,
+           same ? "two runs identical" : "two runs DIFFER");
+    if (!same) ++g_fail;
+  }
+  {  // bad arguments: an error code, no launch
+    Dev<float> dl(size_t(8) * 100);
+    Dev<cu::SampleRowDevice> dr{size_t(8)};
+    Dev<int32_t> dt{size_t(8)};
+    const size_t bytes = cu::sample_tokens_scratch_bytes(8, 100);
+    Dev<char> scratch(bytes);
+    int bad = 0;
+    bad += cu::sample_tokens(dt.p, dl.p, dr.p, 8, 100, scratch.p, bytes - 1, 0) != cudaErrorInvalidValue;
+    bad += cu::sample_tokens(dt.p, dl.p, dr.p, 0, 100, scratch.p, bytes, 0) != cudaErrorInvalidValue;
+    bad += cu::sample_tokens(dt.p, dl.p, dr.p, 8, 0, scratch.p, bytes, 0) != cudaErrorInvalidValue;
+    bad += cu::sample_tokens(dt.p, dl.p, dr.p, 8, 100, nullptr, bytes, 0) != cudaErrorInvalidValue;
+    bad += cu::sample_tokens_scratch_bytes(1 << 16, 1 << 16) != 0;
+    report("sample_tokens bad arguments (small scratch, B=0, V=0, null, B*V too large) refused", bad, 0);
+  }
+}
+
 double gemv_bandwidth(int N, int K) {
   const int sets = 8;  // rotate weight sets (more than the 50 MB L2)
   std::vector<Dev<uint16_t>*> ws;
@@ -783,6 +916,43 @@ void check_model_batch(const std::string& name, const ModelWeights& w, Backend& 
   report(fmt("%s batch B=%d, 8 steps of forward_batch, worst logits", name.c_str(), B), worst, 2e-2);
 }
 
+// Sampled decode (temperature 0.8, top_p 0.95, seed 7), 32 steps:
+//  1. CUDA forward_sample (device sampling) against sample_token on the logits of a second GPU
+//     sequence fed the same tokens (forward, logits copied back) with the same u: the same
+//     logits, so the tokens must agree (Exact or Boundary, see classify); this is the check.
+//  2. CUDA forward_sample against the CPU backend's default forward_sample (each on its own
+//     sequence, the same seed): printed, not counted, since BF16-level logits differences can
+//     legitimately move a sampled token and the sequences then part.
+void check_model_sampling(const std::string& name, const ModelWeights& w, Backend& cpu, Backend& gpu,
+                          const std::vector<int32_t>& prompt, int steps) {
+  const SamplingParams p{0.8f, 0, 0.95f, 7};
+  const int V = w.cfg.vocab_size;
+  Sampler sa(p), sc(p);
+  auto ga = gpu.new_cache(), gb = gpu.new_cache(), cc = cpu.new_cache();
+  std::vector<float> lb(static_cast<size_t>(V));
+  int32_t ta = -1, tc = -1;
+  int wrong = 0, boundary = 0, agree_cpu = 0;
+  bool parted = false;
+  for (int s = 0; s <= steps; ++s) {
+    const std::vector<int32_t> in_a = s == 0 ? prompt : std::vector<int32_t>{ta};
+    const std::vector<int32_t> in_c = s == 0 ? prompt : std::vector<int32_t>{tc};
+    const Backend::SampleRow ra{p, sa.draw()}, rc{p, sc.draw()};
+    const Backend::SeqStep step_a{in_a, ga.get(), 1}, step_c{in_c, cc.get(), 1};
+    gpu.forward_sample(std::span(&step_a, 1), std::span(&ra, 1), &ta);
+    gpu.forward(in_a, *gb, 1, lb.data());
+    cpu.forward_sample(std::span(&step_c, 1), std::span(&rc, 1), &tc);
+    const Match m = classify(lb, p, ra.u, ta);
+    wrong += m == Match::Wrong;
+    boundary += m == Match::Boundary;
+    if (!parted && ta == tc) ++agree_cpu;
+    else parted = true;
+  }
+  report(fmt("%s sampled decode %d steps: forward_sample vs sample_token on the GPU's logits", name.c_str(), steps),
+         wrong, 0, fmt("boundary steps %d", boundary));
+  std::printf("note   %s sampled decode: CUDA forward_sample and CPU forward_sample agree on %d of %d tokens%s\n",
+              name.c_str(), agree_cpu, steps + 1, parted ? " (then parted: BF16-level logits differences)" : "");
+}
+
 void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps) {
   auto w = load_weights(dir);
   const int V = w->cfg.vocab_size, T = int(prompt.size());
@@ -826,6 +996,7 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   if (split) ++g_fail;
   check_model_batch(name, *w, *cpu, *gpu, prompt, 3);
   check_model_batch(name, *w, *cpu, *gpu, prompt, 12);
+  if (name == "tinymix-code") check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
 }
 
 }  // namespace
@@ -1006,7 +1177,7 @@ int main(int argc, char** argv) {
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
         {"attention_prefill", check_attention_prefill}, {"attention_decode", check_attention_decode},
-        {"attention_decode_batch", check_attention_decode_batch}};
+        {"attention_decode_batch", check_attention_decode_batch}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
       if (want(name)) check();
   }

@@ -1,0 +1,41 @@
+// Token sampling on the GPU, so that a decode step returns B token ids instead of B logits rows.
+// The semantics are sample_token()'s (src/engine/sampler.h, its CPU twin). Like kernels.h: raw
+// DEVICE pointers, shapes as ints, a stream; no allocation, no host synchronization.
+// Shape legend: B logits rows, V vocabulary.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace tiermoe::cuda {
+
+// One row's sampling, in device memory: SamplingParams without the seed, and the uniform the
+// row's Sampler drew (Sampler::draw(); 0 and unused when greedy).
+struct SampleRowDevice {
+  float temperature;  // 0: greedy
+  int top_k;          // 0: all tokens; 1: greedy
+  float top_p;        // 1: no nucleus cut
+  double u;           // [0, 1)
+};
+
+// Bytes of scratch sample_tokens() needs for B rows of V logits: the rows' sorted (logit, id)
+// pairs and the sort's temporary storage, about 20 * B * V bytes. 0 when B * V is too large.
+size_t sample_tokens_scratch_bytes(int B, int V);
+
+// tokens[B] = sample_token(logits[b, V], rows[b]) for each row b.                twin: sample_token
+// Greedy rows (temperature 0 or top_k 1): the argmax, ties to the lower index, one block each.
+// Other rows: a stable segmented radix sort of (logit, id) pairs, descending (ties keep the lower
+// index first, -0 == +0 as on the CPU), then one block per row: weights in double, the nucleus cut
+// and the walk to u * total.
+// Not bit-exact with the CPU: the device's exp() and the block's summation order differ from
+// glibc's exp and a sequential sum by a few ulps, so a row whose u * total (or whose nucleus sum
+// against top_p) lies within ~1e-15 relative of a boundary between two candidates may pick the
+// neighbour. tests/cuda/cuda_check.cpp accepts another token only when it is what sample_token
+// gives with u moved by 1e-9 (u * total within 1e-9 of total from the boundary) or with top_p
+// moved to a neighbouring float (the nucleus cut; top_p is a float), and reports those rows apart.
+// cudaErrorInvalidValue: B or V < 1, a null pointer, or scratch_bytes too small.
+cudaError_t sample_tokens(int32_t* tokens, const float* logits, const SampleRowDevice* rows, int B, int V, void* scratch,
+                          size_t scratch_bytes, cudaStream_t s);
+
+}  // namespace tiermoe::cuda
