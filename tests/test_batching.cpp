@@ -47,5 +47,28 @@ TEST(Batching, MixedBatchEqualsSequencesAlone) {
   }
 }
 
+// The default forward_sample: row r of the step's logits sampled with rows[r], over several passes.
+TEST(Batching, ForwardSampleSamplesEachLogitsRowInOrder) {
+  auto w = load_weights(test::tinymix_dir());
+  const int V = w->cfg.vocab_size;
+  CpuBackendOptions opts;
+  opts.max_chunk = 5;
+  auto sampling = make_cpu_backend(*w, opts), plain = make_cpu_backend(*w, opts);
+  const auto a = some_ids(3, 5), b = some_ids(7, 6), c = some_ids(4, 7);
+  auto as = sampling->new_cache(), bs = sampling->new_cache(), cs = sampling->new_cache();
+  auto ap = plain->new_cache(), bp = plain->new_cache(), cp = plain->new_cache();
+  const Backend::SeqStep s_steps[] = {{a, as.get(), 1}, {b, bs.get(), 7}, {c, cs.get(), 2}};
+  const Backend::SeqStep p_steps[] = {{a, ap.get(), 1}, {b, bp.get(), 7}, {c, cp.get(), 2}};
+  std::vector<Backend::SampleRow> rows;
+  for (int r = 0; r < 10; ++r) rows.push_back({{r % 3 == 0 ? 0.f : 1.5f, 0, r % 2 ? 0.9f : 1.f, 0}, 0.1 * r + 0.05});
+  std::vector<int32_t> tokens(10, -1);
+  sampling->forward_sample(s_steps, rows, tokens.data());
+  std::vector<float> logits(size_t(10) * V);
+  plain->forward_batch(p_steps, logits.data());
+  for (int r = 0; r < 10; ++r)
+    EXPECT_EQ(tokens[r], sample_token(std::span<const float>(&logits[size_t(r) * V], V), rows[r].params, rows[r].u))
+        << "row " << r;
+}
+
 }  // namespace
 }  // namespace tiermoe
