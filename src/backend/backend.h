@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/sampler.h"
+#include "cpu/sampling.h"
 #include "kv/kv_cache.h"
 #include "model/weights.h"
 

@@ -1,5 +1,5 @@
 // Token sampling on the GPU, so that a decode step returns B token ids instead of B logits rows.
-// The semantics are sample_token()'s (src/engine/sampler.h, its CPU twin). Like kernels.h: raw
+// The semantics are sample_token()'s (src/cpu/sampling.h, its CPU twin). Like kernels.h: raw
 // DEVICE pointers, shapes as ints, a stream; no allocation, no host synchronization.
 // Shape legend: B logits rows, V vocabulary.
 #pragma once

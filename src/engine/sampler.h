@@ -1,29 +1,14 @@
 // Picks the next token from logits: greedy, or temperature with top-k and top-p, seeded.
-// Split in two so that a backend can sample on its device: Sampler holds a sequence's params and
-// seeded RNG and draws the one uniform a sample consumes; sample_token() is the pure algorithm
-// (the reference the CUDA kernel in src/cuda/sampling.cu is checked against).
+// Sampler holds a sequence's params and seeded RNG and draws the one uniform a sample consumes;
+// sample_token() (cpu/sampling.h) is the algorithm, so a backend can sample on its device.
 #pragma once
 #include <cstdint>
 #include <random>
 #include <span>
 
+#include "cpu/sampling.h"
+
 namespace tiermoe {
-
-struct SamplingParams {
-  float temperature = 1.0f;  // 0 means greedy
-  int top_k = 0;             // 0: all tokens
-  float top_p = 1.0f;        // 1: no nucleus cut
-  uint64_t seed = 0;
-};
-
-// Index of the largest logit; ties go to the lower index.
-int32_t argmax(std::span<const float> logits);
-
-// Greedy (temperature 0 or top_k 1): argmax, u unused. Otherwise: candidates sorted by logit
-// (ties: lower index first), cut to top_k, weights exp((logit - max) / temperature) in double,
-// cut to the nucleus (the smallest prefix whose probability reaches top_p), then the candidate
-// whose interval of the cumulative weights holds u * total, u in [0, 1).
-int32_t sample_token(std::span<const float> logits, const SamplingParams& p, double u);
 
 class Sampler {
  public:
