@@ -46,47 +46,6 @@ constexpr int kGroupN = 4;
 __host__ __device__ constexpr int smem_ld(int dh) { return dh + 8; }
 constexpr size_t smem_bytes(int dh) { return size_t(4) * kTileK * smem_ld(dh) * sizeof(__nv_bfloat16); }
 
-// 16 bytes global -> shared, or 16 zero bytes when !fill (keys past the last one asked for: their
-// V rows are multiplied by P = 0, and 0 * NaN would poison the row).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fill) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(fill ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Four 8x8 BF16 matrices from shared memory; lane i gives the address of row i % 8 of matrix i / 8.
-// Without .trans lane l receives row l / 4, columns 2 (l % 4) .. +1 of each; with .trans, column
-// l / 4, rows 2 (l % 4) .. +1.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-// d[16x8] += a[16x16] b[16x8], BF16 in, FP32 accumulate. Lane l holds: a {(r, c), (r + 8, c),
-// (r, c + 8), (r + 8, c + 8)} as BF16 pairs, r = l / 4, c = 2 (l % 4); b {(c, n), (c + 8, n)}, n = l / 4;
-// d {(r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)} with c = 2 (l % 4) as the column.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack(__nv_bfloat16 lo_half, __nv_bfloat16 hi_half) {
-  return uint32_t(__bfloat16_as_ushort(lo_half)) | uint32_t(__bfloat16_as_ushort(hi_half)) << 16;
-}
-
 // (x, y) -> BF16 pair hi, and lo = the pair of remainders; returns hi + lo (or hi alone when !SPLIT)
 // summed in FP32: what the MMA will see of x + y.
 template <bool SPLIT>

@@ -214,11 +214,12 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelConfig& cfg, const CudaBackendOptions& opts) : cfg_(cfg), opts_(opts) {
     // A/B switches for timing and checks: graphs, split prompt activations, prompt attention kernel,
-    // prompt chunk size, programmatic launch.
+    // prompt-chunk expert GEMM kernel, prompt chunk size, programmatic launch.
     if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS"); e && e[0] == '0') opts_.use_graphs = false;
     if (const char* e = std::getenv("TIERMOE_CUDA_SPLIT"); e && e[0] == '0') opts_.split_activations = false;
     if (const char* e = std::getenv("TIERMOE_CUDA_FLASH"); e && e[0] == '0') opts_.flash_attention = false;
     if (const char* e = std::getenv("TIERMOE_CUDA_FLASH_P")) opts_.flash_split_p = std::atoi(e) != 1;  // 1: P in BF16
+    if (const char* e = std::getenv("TIERMOE_CUDA_MOE_GEMM"); e && e[0] == '0') opts_.pipelined_moe_gemm = false;
     prompt_attention_ = {opts_.flash_attention, opts_.flash_split_p};
     if (const char* e = std::getenv("TIERMOE_CUDA_CHUNK")) opts_.max_chunk = std::clamp(std::atoi(e), 1, 1 << 16);
     read_switches();
@@ -452,8 +453,11 @@ void CudaBackend::alloc_workspace() {
   logits_ = dalloc<float>(owned_, size_t(Tm) * cfg_.vocab_size);
   ids_ = dalloc<int32_t>(owned_, size_t(Tm));
   pos_ = dalloc<int32_t>(owned_, size_t(Tm));
-  xb_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
-  if (opts_.split_activations) xb_lo_ = dalloc<bf16>(owned_, size_t(Tm) * std::max({D, H * Dh, F}));
+  // BF16 GEMM inputs: a chunk's activations, or (pipelined expert GEMMs) its [(t, k), F] rows.
+  const size_t xb_n = std::max(size_t(Tm) * std::max({D, H * Dh, F}),
+                               cfg_.num_experts > 0 && opts_.pipelined_moe_gemm ? moe_rows * F : 0);
+  xb_ = dalloc<bf16>(owned_, xb_n);
+  if (opts_.split_activations) xb_lo_ = dalloc<bf16>(owned_, xb_n);
   // Attention partials: up to 32 splits for a prompt chunk, or one per kDecodeSplit keys at T <= 8.
   const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 16;
   partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
@@ -627,11 +631,21 @@ void CudaBackend::moe(const DLayer& L, int T) {
     // its weights on the tensor cores; no host sync.
     const int TK = T * K;
     CUDA_CK(cuda::moe_sort(moe_rows_, moe_tiles_, topk_, TK, E, stream_));
-    CUDA_CK(cuda::moe_expert_gemm(gu_, h_, K, L.experts_gu, moe_rows_, moe_tiles_, TK, E, 2 * F, D,
-                                  opts_.split_activations, stream_));  // [TK, 2F]
-    CUDA_CK(cuda::silu_mul_gu(act_, gu_, TK, F, stream_));        // [TK, F]
-    CUDA_CK(cuda::moe_expert_gemm(moe_y_, act_, 1, L.experts_down, moe_rows_, moe_tiles_, TK, E, D, F,
-                                  opts_.split_activations, stream_));  // [TK, D]
+    if (opts_.pipelined_moe_gemm && D % 8 == 0 && F % 8 == 0) {  // inputs split to BF16 once per GEMM
+      CUDA_CK(cuda::to_bf16(xb_, xb_lo_, h_, size_t(T) * D, stream_));  // [T, D] hi, lo
+      CUDA_CK(cuda::moe_expert_gemm_bf16(gu_, xb_, xb_lo_, K, L.experts_gu, moe_rows_, moe_tiles_, TK, E, 2 * F, D,
+                                         stream_));                  // [TK, 2F]
+      CUDA_CK(cuda::silu_mul_gu(act_, gu_, TK, F, stream_));         // [TK, F]
+      CUDA_CK(cuda::to_bf16(xb_, xb_lo_, act_, size_t(TK) * F, stream_));
+      CUDA_CK(cuda::moe_expert_gemm_bf16(moe_y_, xb_, xb_lo_, 1, L.experts_down, moe_rows_, moe_tiles_, TK, E, D, F,
+                                         stream_));                  // [TK, D]
+    } else {  // the first kernel: FP32 input split inside every k-step
+      CUDA_CK(cuda::moe_expert_gemm(gu_, h_, K, L.experts_gu, moe_rows_, moe_tiles_, TK, E, 2 * F, D,
+                                    opts_.split_activations, stream_));  // [TK, 2F]
+      CUDA_CK(cuda::silu_mul_gu(act_, gu_, TK, F, stream_));          // [TK, F]
+      CUDA_CK(cuda::moe_expert_gemm(moe_y_, act_, 1, L.experts_down, moe_rows_, moe_tiles_, TK, E, D, F,
+                                    opts_.split_activations, stream_));  // [TK, D]
+    }
     CUDA_CK(cuda::moe_combine(x_, moe_y_, wts_, T, K, D, stream_));  // x += ...
   }
   if (cfg_.shared_expert_ffn > 0) {

@@ -22,6 +22,10 @@ struct CudaBackendOptions {
   // enter the MMAs as BF16 hi + lo parts (else rounded to BF16 once).
   bool flash_attention = true;
   bool flash_split_p = true;
+  // Prompt-chunk expert GEMMs by the pipelined kernel (cuda::moe_expert_gemm_bf16, input split to
+  // BF16 once per GEMM) where D and the expert FFN width are multiples of 8; else the first (wmma)
+  // kernel, cuda::moe_expert_gemm. TIERMOE_CUDA_MOE_GEMM=0 turns it off (A/B timing).
+  bool pipelined_moe_gemm = true;
   uint64_t dummy_seed = 1;   // --load-format dummy
 };
 

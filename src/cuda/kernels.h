@@ -107,12 +107,20 @@ cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, i
 //                    tile, e = its expert; W[E, N, Kd] BF16; in FP32, split into BF16 hi + lo
 //                    parts (split) or rounded to BF16 once; FP32 accumulation. div = K: in is the
 //                    tokens' hidden states; div = 1: in is per (token, k), like out.
+//   moe_expert_gemm_bf16: the same product with the input given in BF16 as in_hi + in_lo [rows, Kd]
+//                    (to_bf16 of the FP32 input: split once per GEMM, not per block; in_lo null:
+//                    hi alone, one rounding), pipelined (cp.async, ldmatrix, mma.sync); Kd % 8 == 0
+//                    only (else cudaErrorInvalidValue: use moe_expert_gemm). Its MMA accumulators
+//                    are folded into FP32 sums every 128 of Kd (FP32-level at Kd = 14336). Deterministic.
 // twin: the CPU MoE per (t, k) expert matmuls (tests/cuda/cuda_check.cpp).
 constexpr int kMoeTileM = 64;
 int moe_sort_rows(int TK, int E);
 cudaError_t moe_sort(int32_t* rows, int32_t* tile_expert, const int32_t* ids, int TK, int E, cudaStream_t s);
 cudaError_t moe_expert_gemm(float* out, const float* in, int div, const bf16* W, const int32_t* rows,
                             const int32_t* tile_expert, int TK, int E, int N, int Kd, bool split, cudaStream_t s);
+cudaError_t moe_expert_gemm_bf16(float* out, const bf16* in_hi, const bf16* in_lo, int div, const bf16* W,
+                                 const int32_t* rows, const int32_t* tile_expert, int TK, int E, int N, int Kd,
+                                 cudaStream_t s);
 
 // KV cache rows [capacity, Hkv, Dh] in BF16: row pos[t] <- k[t], v[t] (row = Hkv*Dh values).
 cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,
