@@ -413,6 +413,7 @@ TEST(Server, BadBackendFlagsEndWithExitCode2NamingTheFlag) {
       {"bench --gen 1 --config " + test::repo_path("configs/olmoe-1b-7b-v8192.json"),
        "bench: --config FILE needs --load-format dummy"},
       {"bench --gen 1", "bench: give --model DIR (or --config FILE --load-format dummy)"},
+      {"bench --gen 1 --top-p 2" + model, "top_p must be in (0, 1]"},
   };
   for (const auto& [args, message] : cases) {
     FILE* p = popen((bin + " " + args + " 2>&1").c_str(), "r");

@@ -21,6 +21,8 @@ int run_bench(const CommonOptions& c, const BenchOptions& b) {
   if (prompt_tokens < 1 || gen_tokens < 1 || repeats < 1)
     throw InputError("bench: --ctx/--prompt-tokens, --gen and --repeats must be >= 1");
   if (b.batch < 1) throw InputError("bench: --batch must be >= 1");
+  const SamplingParams sampling{b.temperature, b.top_k, b.top_p, 0};
+  Sampler{sampling};  // refuses out-of-range values, naming them
   EngineOptions o = engine_options(c);  // --backend, --load-format, --kv... checked as by every command
   if (!b.config_file.empty()) {
     if (c.load_format != "dummy") throw InputError("bench: --config FILE needs --load-format dummy");
@@ -43,8 +45,8 @@ int run_bench(const CommonOptions& c, const BenchOptions& b) {
   if (prompt_tokens + gen_tokens > cfg.max_position_embeddings)
     throw InputError("bench: --ctx + --gen exceeds the model's context of " +
                      std::to_string(cfg.max_position_embeddings));
-  nlohmann::json out = b.batch > 1 ? bench_batch(backend, cfg, b.batch, prompt_tokens, gen_tokens)
-                                   : bench_stream(backend, cfg, prompt_tokens, gen_tokens, repeats);
+  nlohmann::json out = b.batch > 1 ? bench_batch(backend, cfg, b.batch, prompt_tokens, gen_tokens, sampling)
+                                   : bench_stream(backend, cfg, prompt_tokens, gen_tokens, repeats, sampling);
   out["device"] = device;
   out["kv"] = c.kv;
   const double p50 = out["ms_per_token_p50"], p99 = out["ms_per_token_p99"], ttft = out["ttft_ms"];

@@ -69,6 +69,8 @@ int run_calibrate(const CommonOptions& c, const std::string& file, const std::st
 struct BenchOptions {
   int prompt_tokens = 512, gen_tokens = 128, repeats = 5, batch = 1;
   std::string config_file;  // config.json instead of --model, for --load-format dummy
+  float temperature = 0.f, top_p = 1.f;  // decode steps sample like this (default: greedy)
+  int top_k = 0;
 };
 int run_bench(const CommonOptions& c, const BenchOptions& b);
 int run_serve(const CommonOptions& c, const ServeOptions& s);

@@ -107,6 +107,9 @@ int main(int argc, char** argv) {
   add_backend(bench, c);
   bench->add_option("--config", bo.config_file, "config.json instead of --model, for --load-format dummy");
   bench->add_option("--batch", bo.batch, "Concurrent sequences, one token each per step")->capture_default_str();
+  bench->add_option("--temperature", bo.temperature, "Sample decode steps at this temperature (0: greedy)")->capture_default_str();
+  bench->add_option("--top-p", bo.top_p, "Nucleus mass when sampling")->capture_default_str();
+  bench->add_option("--top-k", bo.top_k, "Top-k when sampling (0: all)")->capture_default_str();
 
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
   add_common(serve, c, false);

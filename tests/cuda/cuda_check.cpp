@@ -1074,6 +1074,7 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
 int bench_main(int argc, char** argv) {
   std::string config, model;
   int ctx = 512, gen = 128, repeats = 3, batch = 1;
+  SamplingParams sampling{0.f, 0, 1.f, 0};  // greedy unless --temperature
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--config") config = v;
@@ -1082,6 +1083,9 @@ int bench_main(int argc, char** argv) {
     else if (k == "--ctx") ctx = std::stoi(v);
     else if (k == "--gen") gen = std::stoi(v);
     else if (k == "--repeats") repeats = std::stoi(v);
+    else if (k == "--temperature") sampling.temperature = std::stof(v);
+    else if (k == "--top-p") sampling.top_p = std::stof(v);
+    else if (k == "--top-k") sampling.top_k = std::stoi(v);
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   ModelConfig cfg;
@@ -1096,7 +1100,8 @@ int bench_main(int argc, char** argv) {
     b = make_cuda_backend(*w);
   }
   const double bw = cuda_copy_bandwidth();
-  nlohmann::json out = batch > 1 ? bench_batch(*b, cfg, batch, ctx, gen) : bench_stream(*b, cfg, ctx, gen, repeats);
+  nlohmann::json out = batch > 1 ? bench_batch(*b, cfg, batch, ctx, gen, sampling)
+                                 : bench_stream(*b, cfg, ctx, gen, repeats, sampling);
   out["device"] = cuda_device_name();
   out["kv"] = "bf16";
   out["load_format"] = config.empty() ? "auto" : "dummy";
