@@ -10,6 +10,12 @@
 #   build (defaults, PDL off, BF16 prompt activations), interleaved in one run, then the kernel table)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
 # carried, when the machine lacks the tokenizer's libraries), else built here with CMake.
+# $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere (small enough to carry to a
+# device machine), unpacked to ./build-gpu first:
+#   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD
+#   cmake --build build-gpu && mkdir -p ab && xz -c build-gpu/tiermoe_cuda_check > ab/tcc.xz
+#   (on the device) CHECK_XZ=ab/tcc.xz scripts/gpu_check.sh quick
+# Mode sampling: device against host sampling (TIERMOE_CUDA_SAMPLE=0), greedy and sampled.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -17,6 +23,7 @@ MODE=${1:-full}
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv | tee "$OUT/gpu.txt"
 log unpack; scripts/unpack_model.sh
+if [ -n "${CHECK_XZ:-}" ]; then mkdir -p build-gpu && xz -dc "$CHECK_XZ" > build-gpu/tiermoe_cuda_check && chmod +x build-gpu/tiermoe_cuda_check; fi
 C=${CHECK_BIN:-./build-gpu/tiermoe_cuda_check}
 if [ ! -x $C ]; then
   log build
@@ -93,6 +100,23 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
   done
   rows "$OUT/ab.jsonl"
   log kernels; timeout 90 $C --kernels-only > "$OUT/check.txt" 2>&1; grep -E "^(FAIL|==)" "$OUT/check.txt"
+  exit 0
+fi
+if [ "$MODE" = sampling ]; then  # same binary, two interleaved rounds
+  for round in 1 2; do
+    for row in "olmoe-1b-7b-v8192.json 16 128 3 1" "qwen3-30b-a3b.json 16 64 2 1" "olmoe-1b-7b-v8192.json 1024 32 1 8" "qwen3-30b-a3b.json 1024 32 1 8"; do
+      set -- $row
+      for mode in greedy sampled; do
+        s=""; [ $mode = sampled ] && s="--temperature 0.8 --top-p 0.95"
+        for dev in 0 1; do
+          log "$1 ctx $2 B=$5 $mode TIERMOE_CUDA_SAMPLE=$dev round $round"
+          TIERMOE_CUDA_SAMPLE=$dev timeout 80 $C bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 --batch $5 $s |
+            sed "s/^{/{\"variant\":\"$mode device=$dev r$round\",/" >> "$OUT/$MODE.jsonl"
+        done
+      done
+    done
+  done
+  rows "$OUT/$MODE.jsonl"
   exit 0
 fi
 if [ "$MODE" = moe ]; then
