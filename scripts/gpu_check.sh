@@ -15,7 +15,9 @@
 #   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD
 #   cmake --build build-gpu && mkdir -p ab && xz -c build-gpu/tiermoe_cuda_check > ab/tcc.xz
 #   (on the device) CHECK_XZ=ab/tcc.xz scripts/gpu_check.sh quick
-# Mode sampling: device against host sampling (TIERMOE_CUDA_SAMPLE=0), greedy and sampled.
+# Mode sampling: device against host sampling (TIERMOE_CUDA_SAMPLE=0): greedy, top-k 40 + top-p 0.95
+# (the device's select path) and top-p alone (its sort path); no check first (run
+# `tiermoe_cuda_check --kernels-only sample_tokens` and `--models-only` before).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -43,7 +45,7 @@ for line in open(sys.argv[1]):
 PY
   log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
-elif [ "$MODE" != benchonly ]; then
+elif [ "$MODE" != benchonly ] && [ "$MODE" != sampling ]; then  # sampling: the benchmarks alone
   log check
   timeout 150 $C 2>&1 | tee "$OUT/check.txt"
 fi
@@ -103,12 +105,18 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
   exit 0
 fi
 if [ "$MODE" = sampling ]; then  # same binary, two interleaved rounds
+  # greedy; topk: the CLI's default sampling (the select path); topp: top-p alone (the sort path).
+  # $HOST_MODES: the modes also timed with host sampling (TIERMOE_CUDA_SAMPLE=0).
+  # $SAMPLING_ROWS: "config ctx gen repeats batch" rows, separated by ';'.
+  IFS=';' read -ra srows <<< "${SAMPLING_ROWS:-qwen3-30b-a3b.json 16 64 2 1;olmoe-1b-7b-v8192.json 16 128 3 1;qwen3-30b-a3b.json 1024 32 1 8}"
   for round in 1 2; do
-    for row in "olmoe-1b-7b-v8192.json 16 128 3 1" "qwen3-30b-a3b.json 16 64 2 1" "olmoe-1b-7b-v8192.json 1024 32 1 8" "qwen3-30b-a3b.json 1024 32 1 8"; do
+    for row in "${srows[@]}"; do
       set -- $row
-      for mode in greedy sampled; do
-        s=""; [ $mode = sampled ] && s="--temperature 0.8 --top-p 0.95"
+      for mode in greedy topk topp; do
+        s=""; [ $mode = topk ] && s="--temperature 0.8 --top-k 40 --top-p 0.95"
+        [ $mode = topp ] && s="--temperature 0.8 --top-p 0.95"
         for dev in 0 1; do
+          [ $dev = 0 ] && [[ " ${HOST_MODES:-greedy topk topp} " != *" $mode "* ]] && continue
           log "$1 ctx $2 B=$5 $mode TIERMOE_CUDA_SAMPLE=$dev round $round"
           TIERMOE_CUDA_SAMPLE=$dev timeout 80 $C bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 --batch $5 $s |
             sed "s/^{/{\"variant\":\"$mode device=$dev r$round\",/" >> "$OUT/$MODE.jsonl"
