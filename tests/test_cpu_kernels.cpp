@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -158,6 +159,21 @@ TEST(Sampler, SeedReproducesAndTopKRestricts) {
     int x = a.sample(l);
     EXPECT_EQ(x, b.sample(l));
     EXPECT_NE(std::find(top.begin(), top.begin() + 5, x), top.begin() + 5);
+  }
+}
+
+// u next to 1 can leave the walk's remainder >= 0 after every candidate with weight (rounding);
+// the token must still have probability > 0, never a -inf one at the end of the list.
+TEST(Sampler, NeverPicksAZeroProbabilityToken) {
+  const float inf = std::numeric_limits<float>::infinity();
+  // Logits for which, at u = 1 - 2^-53, the sequential walk ends with a remainder >= 0.
+  const std::vector<float> l = {-0.9399451613426208f, 1.7772181034088135f, -1.4494750499725342f,
+                                -1.4792511463165283f, 1.3809133768081665f, -inf, -inf};
+  const double u = std::nextafter(1.0, 0.0);
+  EXPECT_EQ(sample_token(l, {1.0f, 0, 1.0f, 0}, u), 3);  // the last candidate with weight: the lowest finite logit
+  for (double v : {0.0, 0.5, 0.999999, u}) {
+    const int32_t t = sample_token(l, {1.0f, 0, 1.0f, 0}, v);
+    EXPECT_TRUE(t != 5 && t != 6) << v;
   }
 }
 

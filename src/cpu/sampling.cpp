@@ -48,7 +48,12 @@ int32_t sample_token(std::span<const float> logits, const SamplingParams& p, dou
     r -= prob[i];
     if (r < 0) return idx[i];
   }
-  return idx[keep - 1];
+  // Past the end by rounding (u next to 1): the last candidate that has any weight, never one
+  // whose probability is 0 (a -inf logit, or one exp() underflows).
+  int last = 0;
+  for (int i = 0; i < keep; ++i)
+    if (prob[i] > 0) last = i;
+  return idx[last];
 }
 
 }  // namespace tiermoe
