@@ -6,10 +6,14 @@
 
 namespace tiermoe {
 
-void Backend::forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens) {
+void Backend::check_sample_rows(std::span<const SeqStep> steps, std::span<const SampleRow> rows) {
   size_t n_rows = 0;
   for (const SeqStep& s : steps) n_rows += size_t(s.n_logits);
   CHECK_MSG(rows.size() == n_rows, "forward_sample: one SampleRow per logits row");
+}
+
+void Backend::forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens) {
+  check_sample_rows(steps, rows);
   const size_t V = size_t(vocab_size());
   std::vector<float> logits(rows.size() * V);  // [rows, V]
   forward_batch(steps, logits.data());

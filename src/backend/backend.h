@@ -52,6 +52,10 @@ class Backend {
     const SeqStep step{tokens, &cache, n_logits};
     forward_batch(std::span(&step, 1), logits);
   }
+
+ protected:
+  // forward_sample's contract: one SampleRow per logits row (the steps' n_logits summed).
+  static void check_sample_rows(std::span<const SeqStep> steps, std::span<const SampleRow> rows);
 };
 
 // Cuts batched steps into passes of at most max_tokens tokens and calls run_pass on each,

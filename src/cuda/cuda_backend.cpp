@@ -268,9 +268,7 @@ class CudaBackend final : public Backend {
   void forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens) override {
     if (const char* e = std::getenv("TIERMOE_CUDA_SAMPLE"); e && e[0] == '0')
       return Backend::forward_sample(steps, rows, tokens);
-    size_t n_rows = 0;
-    for (const SeqStep& s : steps) n_rows += size_t(s.n_logits);
-    CHECK_MSG(rows.size() == n_rows, "forward_sample: one SampleRow per logits row");
+    check_sample_rows(steps, rows);
     size_t done = 0;
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, nullptr, [&](const std::vector<SeqStep>& pass, float*) {
       const int n = launch_pass(pass);

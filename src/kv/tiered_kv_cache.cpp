@@ -316,6 +316,12 @@ class TieredKvCache final : public KvCache {
     return false;
   }
   bool sampled(int pos) const { return !from_profile_ && read_after(pos, 0); }
+  // The sampled BF16 row [Hkv, Dh] of the token at pos (it must be in the sample).
+  const uint16_t* sample_row(const Layer& L, int kv, int pos) const {
+    const auto it = std::lower_bound(L.sample_pos.begin(), L.sample_pos.end(), pos);
+    CHECK(it != L.sample_pos.end() && *it == pos);
+    return L.sample[kv].data() + size_t(it - L.sample_pos.begin()) * g_.num_kv_heads * g_.head_dim;
+  }
   void init_qcov(Layer& L) const {
     if (spec_.k.query_aware && spec_.k.kind == "vq")
       L.qcov.assign(size_t(g_.num_kv_heads) * g_.head_dim * g_.head_dim, 0.0);
@@ -352,14 +358,7 @@ class TieredKvCache final : public KvCache {
     std::vector<const uint16_t*> rows[2];  // [N] rows [Hkv, Dh] of K and V
     const size_t row = size_t(Hkv) * Dh;
     for (int kv = 0; kv < 2; ++kv)
-      for (int p : pos) {
-        if (v == 0) rows[kv].push_back(exact_row(L, kv, p));
-        else {
-          const auto it = std::lower_bound(L.sample_pos.begin(), L.sample_pos.end(), p);
-          CHECK(it != L.sample_pos.end() && *it == p);
-          rows[kv].push_back(L.sample[kv].data() + size_t(it - L.sample_pos.begin()) * row);
-        }
-      }
+      for (int p : pos) rows[kv].push_back(v == 0 ? exact_row(L, kv, p) : sample_row(L, kv, p));
     std::vector<VqCodec>& codec = L.codec.emplace_back(size_t(Hkv) * 2);
     parallel_for(size_t(Hkv) * 2, [&](size_t b, size_t e) {
       std::vector<float> x(size_t(N) * Dh);
@@ -411,10 +410,9 @@ class TieredKvCache final : public KvCache {
         const int pg = int(i / 2), kv = int(i % 2);
         PageStore& page = L.s[kv].pages[size_t(pg)];
         PageStore fresh;
-        if (page.exact.empty()) {
-          const auto it = std::lower_bound(L.sample_pos.begin(), L.sample_pos.end(), pg * P);
-          CHECK(L.sample_pos.end() - it >= P && it[P - 1] == pg * P + P - 1);
-          const uint16_t* rows = L.sample[kv].data() + size_t(it - L.sample_pos.begin()) * row;
+        if (page.exact.empty()) {  // the page's P rows, consecutive in the sample (every row is sampled)
+          const uint16_t* rows = sample_row(L, kv, pg * P);
+          CHECK(sample_row(L, kv, pg * P + P - 1) == rows + size_t(P - 1) * row);
           fresh.exact.assign(rows, rows + size_t(P) * row);
         } else {
           fresh.exact = page.exact;
