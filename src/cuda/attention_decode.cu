@@ -16,28 +16,12 @@
 #include "cuda/kernels.h"
 
 #include "cuda/dependent_launch.cuh"
+#include "cuda/device_math.cuh"
 
 namespace tiermoe::cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-
-__device__ __forceinline__ float warp_sum_f(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// 16 bytes global -> shared without passing through registers; the loads of a whole tile are in
-// flight together and the block waits for all of them once (cp_async_wait_all), where plain loads
-// in a loop with a branch went out a few at a time.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-}
 
 __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
   f[0] = __uint_as_float(w.x << 16), f[1] = __uint_as_float(w.x & 0xffff0000u);
@@ -114,8 +98,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const int cached = max(0, min(nk, first_new - t0));  // the tile's keys already in the cache
     for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
       const size_t off = size_t(t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
-      cp_async16(&ktile[i], kc + off);
-      cp_async16(&vtile[i], vc + off);
+      cp_async16(&ktile[i], kc + off, true);
+      cp_async16(&vtile[i], vc + off, true);
     }
     for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
       const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
@@ -131,7 +115,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
       ktile[i] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
       vtile[i] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
     }
-    cp_async_wait_all();
+    cp_async_commit();  // the whole tile in flight at once, one wait
+    cp_async_wait<0>();
     __syncthreads();
     // (A) scores: L lanes per key, all heads at once (independent shuffle chains).
     for (int base = warp * slots; base < nk; base += kWarpsPerBlock * slots) {
@@ -165,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
         S[g][j] = p;
         sum += p;
       }
-      sum = warp_sum_f(sum);
+      sum = warp_sum(sum);
       __syncwarp();  // every lane has read mrun[g] before lane 0 overwrites it (racecheck)
       if (lane == 0) {
         const float c = m_old == -INFINITY ? 0.f : expf(m_old - m_new);

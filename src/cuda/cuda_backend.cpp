@@ -351,7 +351,6 @@ class CudaBackend final : public Backend {
   float *x_, *h_, *q_, *k_, *v_, *att_, *gu_, *act_, *tmp_, *router_, *wts_, *sg_, *logits_, *partial_;
   int32_t *ids_, *pos_, *topk_;
   unsigned* split_counters_;  // attention_decode's, zero between launches
-  unsigned* route_counter_;   // moe_route's, likewise
   // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
   // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the expert GEMMs on the tensor cores
   // (moe_prefill.cu); Fused: the per-(token, k) kernels up to T = kGemvMaxT, then the expert
@@ -466,8 +465,6 @@ void CudaBackend::alloc_workspace() {
   CUDA_CK(cudaMemset(split_counters_, 0, n_counters * sizeof(unsigned)));
   kv_ptrs_ = dalloc<bf16*>(owned_, size_t(cfg_.num_layers) * 2 * Tm);
   CUDA_CK(cudaMallocHost(&h_kv_ptrs_, size_t(cfg_.num_layers) * 2 * Tm * sizeof(bf16*)));
-  route_counter_ = dalloc<unsigned>(owned_, 1);
-  CUDA_CK(cudaMemset(route_counter_, 0, sizeof(unsigned)));
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
   CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
@@ -608,9 +605,9 @@ void CudaBackend::moe(const DLayer& L, int T) {
                        T * K <= cuda::kMoeGroupedMaxTK;
   const bool fused = !grouped && T <= cuda::kGemvMaxT && moe_mode_ != MoeMode::Unfused;
   if ((fused || grouped) && T <= cuda::kGemvMaxT) {
-    // norm, router, top-k in one launch, all on the device
-    CUDA_CK(cuda::moe_route(h_, router_, topk_, wts_, route_counter_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T,
-                            E, K, D, cfg_.norm_topk_prob, stream_));
+    // norm, router, top-k in one launch, the logits on chip
+    CUDA_CK(cuda::moe_route(h_, topk_, wts_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T, E, K, D,
+                            cfg_.norm_topk_prob, stream_));
   } else {
     CUDA_CK(cuda::rmsnorm(h_, x_, L.ffn_norm, T, D, cfg_.rms_norm_eps, stream_));
     linear(router_, h_, L.router, T, false);                                                 // [T, E]

@@ -10,10 +10,13 @@
 #include <algorithm>
 #include <cmath>
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 namespace tiermoe::cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kWarps = 8;  // warps per block in the GEMV-style kernels
 // The GEMV-style kernels read weights in rounds of kLoads 16-byte loads per lane, all issued before
@@ -24,6 +27,8 @@ constexpr int kLoads = 8;
 constexpr int kGemvRows = 1;
 constexpr int kDownRows = 2;
 constexpr int kGemvBlockRows = kWarps * kGemvRows;
+static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
+constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
 
 // wv[r][j] = chunk (base + lane + 32 j) of row r (rows stride apart), for rows r < nr and chunks
 // < L8 (16-byte chunks per row); the others are left as they are.
@@ -257,94 +262,83 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31);
 }
 
-// One warp routes one token: l[E] -> ids[K], weights[K]. Each lane holds experts lane, lane+32, ...
-// The logits are read through L2 (__ldcg): moe_route() reads logits other blocks just wrote.
-__device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize, int lane) {
-  constexpr int J = kRouteMaxE / 32;
-  float v[J];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int e = lane + 32 * j;
-    v[j] = e < E ? __ldcg(l + e) : -INFINITY;
-    mx = fmaxf(mx, v[j]);
-  }
-  mx = warp_max(mx);
-  float den = 0.f;
-#pragma unroll
-  for (int j = 0; j < J; ++j)
-    if (lane + 32 * j < E) den += expf(v[j] - mx);
-  den = warp_sum(den);
-  uint32_t taken = 0;
-  float sum = 0.f, w_mine = 0.f;
-  int id_mine = 0;
-  for (int k = 0; k < K; ++k) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const int e = lane + 32 * j;
-      if (e < E && !(taken >> j & 1u) && (bi == INT_MAX || v[j] > bv)) {  // lanes scan ascending e
-        bv = v[j];
-        bi = e;
-      }
+// One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]. Thread e
+// ranks its logit by counting those that beat it (ties to the lower index, as
+// route_softmax_topk); softmax over all E, weights summed in k order when renormalized.
+__device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize) {
+  __shared__ float red[kWarps], picked[kRouteMaxK];
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  auto logit = [&](int j) {
+    const float v = l[j];
+    return v != v ? -INFINITY : v;  // NaN ranks last, so every rank gets exactly one expert
+  };
+  const float v = e < E ? logit(e) : -INFINITY;
+  float m = warp_max(v);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  const float p = e < E ? expf(v - m) : 0.f;
+  float den = warp_sum(p);
+  if (lane == 0) red[warp] = den;
+  __syncthreads();
+  den = 0.f;
+  for (int w = 0; w < kWarps; ++w) den += red[w];
+  int rank = 0;
+  if (e < E)
+    for (int j = 0; j < E; ++j) {
+      const float lj = logit(j);
+      rank += lj > v || (lj == v && j < e);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-    const float w = expf(bv - mx) / den;
-    sum += w;
-    if (lane == k) {
-      id_mine = bi;
-      w_mine = w;
-    }
+  if (e < E && rank < K) {
+    ids[rank] = e;
+    picked[rank] = p / den;
   }
-  if (lane < K) {
-    ids[lane] = id_mine;
-    weights[lane] = renormalize ? w_mine / sum : w_mine;
+  __syncthreads();
+  if (e < K) {
+    float sum = 0.f;
+    for (int k = 0; k < K; ++k) sum += picked[k];
+    weights[e] = renormalize ? picked[e] / sum : picked[e];
   }
+  __syncthreads();  // red[] and picked[] are reused by the next call
 }
 
-__global__ void route_topk_kernel(int32_t* ids, float* weights, const float* logits, int E, int K, bool renormalize) {
+__global__ void __launch_bounds__(kWarps * 32) route_topk_kernel(int32_t* ids, float* weights, const float* logits,
+                                                                 int E, int K, bool renormalize) {
   const size_t t = blockIdx.x;
-  route_token(ids + t * K, weights + t * K, logits + t * E, E, K, renormalize, threadIdx.x);
+  route_token(ids + t * K, weights + t * K, logits + t * E, E, K, renormalize);
 }
 
-// grid ceil(E / kGemvBlockRows): logits = rmsnorm(x) Wr^T (kGemvRows experts per warp, all
-// T rows; block 0's first warp also writes h = rmsnorm(x)), then the last block to finish routes every token (one
-// warp per token).
+// One cluster of C = gridDim.x blocks (C <= kRouteMaxCluster): warp w of block b computes the logits
+// of experts b * kWarps + w + i * C * kWarps straight into the first block's shared memory
+// (distributed shared memory: no global round trip, no fence, no counter); every thread writes part
+// of h = rmsnorm(x) * nw; after the cluster barrier the first block routes each token (route_token).
 template <int TT>
-__global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restrict__ h, float* __restrict__ logits,
-                                                                int32_t* ids, float* weights, unsigned* counter,
+__global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restrict__ h, int32_t* ids, float* weights,
                                                                 const float* __restrict__ x,
                                                                 const float* __restrict__ nw, float eps,
                                                                 const bf16* __restrict__ Wr, int T, int E, int K,
                                                                 int D, bool renormalize) {
-  __shared__ bool is_last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ float lg[TT * kRouteMaxE];  // the first block's: logits [T, E]
+  __shared__ float inv_s[TT];
+  cg::cluster_group cluster = cg::this_cluster();
+  float* lead = cluster.map_shared_rank(lg, 0);
+  cluster.sync();  // every block has started before any writes another's shared memory (under PDL: while the previous kernel runs)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, stride = int(gridDim.x) * kWarps;
   float inv[TT];
-  gemv_rows<TT, true>(logits, x, nw, eps, Wr, T, E, D, false, (blockIdx.x * kWarps + warp) * kGemvRows, lane, inv);
-  if (blockIdx.x == 0 && warp == 0)  // expert 0 exists: inv[] is set
-    for (int t = 0; t < T; ++t)
-      for (int i = lane; i < D; i += 32) h[size_t(t) * D + i] = x[size_t(t) * D + i] * inv[t] * nw[i];
-  __threadfence();
+  for (int n0 = blockIdx.x * kWarps + warp, first = n0; n0 < E || n0 == first; n0 += stride)
+    gemv_rows<TT, true>(lead, x, nw, eps, Wr, T, E, D, false, n0, lane, inv);  // every warp waits once at least
+  if (threadIdx.x == 0)  // warp 0 has a row (C <= ceil(E / kWarps)): inv[] is set
+#pragma unroll
+    for (int t = 0; t < TT; ++t)
+      if (t < T) inv_s[t] = inv[t];
   __syncthreads();
-  if (threadIdx.x == 0) {
-    is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    if (is_last) *counter = 0;  // ready for the next launch
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  for (int t = warp; t < T; t += kWarps)
-    route_token(ids + size_t(t) * K, weights + size_t(t) * K, logits + size_t(t) * E, E, K, renormalize, lane);
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(T) * D; i += size_t(gridDim.x) * blockDim.x)
+    h[i] = x[i] * inv_s[i / D] * nw[i % D];
+  cluster.sync();  // the logits are in the first block's shared memory
+  if (cluster.block_rank() != 0) return;
+  for (int t = 0; t < T; ++t) route_token(ids + t * K, weights + t * K, lg + t * E, E, K, renormalize);
 }
 
 // grid (ceil(F / kWarps), T*K): one warp per (t, k, f).
@@ -386,26 +380,32 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restr
 // block keeps enough loads in flight even at small K and no warp waits on another expert. The
 // block then sums each row's K partials in k order (deterministic), weighted, into x (the
 // residual add).
-__global__ void __launch_bounds__(kWarps * 32) moe_down_kernel(float* __restrict__ x, const float* __restrict__ act,
+__global__ void __launch_bounds__(kWarps * 32, 4) moe_down_kernel(float* __restrict__ x, const float* __restrict__ act,
                                                                const bf16* __restrict__ Wd,
                                                                const int32_t* __restrict__ ids,
                                                                const float* __restrict__ weights, int K, int D,
                                                                int F, int R) {
   constexpr int NR = kDownRows, CH = kLoads / kDownRows;
   __shared__ float part[kDownRows * kRouteMaxK];  // [R, K], R * K <= kDownRows * max(kWarps, K)
+  const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R, jobs = K * (R / NR);
+  // The first round of the warp's first job is loaded BEFORE pdl_wait(): ids come from moe_route,
+  // the kernel before the previous one, which had finished before moe_gate_up (whose blocks all
+  // passed their pdl_wait() before this grid could start) went on; weights no kernel writes.
+  auto job_rows = [&](int j) { return Wd + (size_t(ids[t * K + j % K]) * D + d0 + NR * (j / K)) * F; };
+  uint4 wv[NR][CH];
+  const int j0 = threadIdx.x >> 5;
+  if ((F & 7) == 0 && j0 < jobs) load_row_chunks(wv, job_rows(j0), F, max(0, min(NR, D - (d0 + NR * (j0 / K)))), lane, F >> 3);
   pdl_wait();
   pdl_launch_dependents();
-  const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R;
-  for (int j = threadIdx.x >> 5; j < K * (R / NR); j += kWarps) {
+  for (int j = j0; j < jobs; j += kWarps) {
     const int k = j % K, r0 = NR * (j / K), nr = max(0, min(NR, D - (d0 + r0)));
-    const bf16* w = Wd + (size_t(ids[t * K + k]) * D + d0 + r0) * F;
+    const bf16* w = job_rows(j);
     const float* a = act + (size_t(t) * K + k) * F;
     float s[NR] = {};
     if ((F & 7) == 0) {
       const int F8 = F >> 3;
       for (int base = lane; base < F8; base += 32 * CH) {
-        uint4 wv[NR][CH];
-        load_row_chunks(wv, w, F, nr, base, F8);
+        if (j != j0 || base != lane) load_row_chunks(wv, w, F, nr, base, F8);
 #pragma unroll
         for (int c = 0; c < CH; ++c) {
           if (base + 32 * c >= F8) break;
@@ -669,24 +669,28 @@ cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T,
                        cudaStream_t s) {
   if (E > kRouteMaxE || K > kRouteMaxK || K > E) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  route_topk_kernel<<<T, 32, 0, s>>>(ids, weights, logits, E, K, renormalize);
+  route_topk_kernel<<<T, kWarps * 32, 0, s>>>(ids, weights, logits, E, K, renormalize);
   return cudaGetLastError();
 }
 
-cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, unsigned* counter, const float* x,
-                      const float* norm_w, float eps, const bf16* Wr, int T, int E, int K, int D, bool renormalize,
-                      cudaStream_t s) {
+cudaError_t moe_route(float* h, int32_t* ids, float* weights, const float* x, const float* norm_w, float eps,
+                      const bf16* Wr, int T, int E, int K, int D, bool renormalize, cudaStream_t s) {
   if (E > kRouteMaxE || K > kRouteMaxK || K > E || T > kGemvMaxT) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const unsigned grid = unsigned((E + kGemvBlockRows - 1) / kGemvBlockRows);
+  const unsigned cluster = unsigned(std::min((E + kWarps - 1) / kWarps, kRouteMaxCluster));
   cudaError_t e;
-#define TIERMOE_MOE_ROUTE(TT) \
-  e = launch(moe_route_kernel<TT>, grid, kWarps * 32, 0, s, h, logits, ids, weights, counter, x, norm_w, eps, Wr, T, E, K, \
-             D, renormalize);
-  if (T == 1) { TIERMOE_MOE_ROUTE(1) }
-  else if (T == 2) { TIERMOE_MOE_ROUTE(2) }
-  else if (T <= 4) { TIERMOE_MOE_ROUTE(4) }
-  else { TIERMOE_MOE_ROUTE(8) }
+#define TIERMOE_MOE_ROUTE(TT)                                                                                         \
+  {                                                                                                                   \
+    static const cudaError_t allowed =                                                                                \
+        cudaFuncSetAttribute(moe_route_kernel<TT>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);        \
+    e = allowed != cudaSuccess ? allowed                                                                              \
+                               : launch_clusters(cluster, moe_route_kernel<TT>, cluster, kWarps * 32, 0, s, h, \
+                                                 ids, weights, x, norm_w, eps, Wr, T, E, K, D, renormalize);          \
+  }
+  if (T == 1) TIERMOE_MOE_ROUTE(1)
+  else if (T == 2) TIERMOE_MOE_ROUTE(2)
+  else if (T <= 4) TIERMOE_MOE_ROUTE(4)
+  else TIERMOE_MOE_ROUTE(8)
 #undef TIERMOE_MOE_ROUTE
   return e != cudaSuccess ? e : cudaGetLastError();
 }

@@ -69,18 +69,19 @@ cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T,
                        cudaStream_t s);
 
 // The router of a small-batch MoE layer in one launch, T <= kGemvMaxT:
-// h[T, D] = rmsnorm(x, norm_w),
-// logits[T, E] = h Wr^T, then route_topk() on them by the last block to finish (counter: one
-// unsigned, zero before the first launch, left zero).  twin: rmsnorm + matmul + route_softmax_topk
-cudaError_t moe_route(float* h, float* logits, int32_t* ids, float* weights, unsigned* counter, const float* x,
-                      const float* norm_w, float eps, const bf16* Wr, int T, int E, int K, int D, bool renormalize,
-                      cudaStream_t s);
+// h[T, D] = rmsnorm(x, norm_w), logits = h Wr^T kept on chip (one thread-block cluster, the logits in
+// its first block's shared memory), then route_topk()'s selection and weights by that block.
+//   twin: rmsnorm + matmul + route_softmax_topk
+cudaError_t moe_route(float* h, int32_t* ids, float* weights, const float* x, const float* norm_w, float eps,
+                      const bf16* Wr, int T, int E, int K, int D, bool renormalize, cudaStream_t s);
 
 // Small-batch MoE, reading only the selected experts (ids/weights straight from route_topk):
 // act[T, K, F] = silu(Wgu[e, 0:F] h_t) * (Wgu[e, F:2F] h_t), e = ids[t, k]; Wgu[E, 2F, D].
 cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int F, int D,
                         cudaStream_t s);
 // x[T, D] += sum_k weights[t, k] * Wd[e] act[t, k]; Wd[E, D, F]. Residual add included.
+// Under programmatic launch it reads ids (to start loading weights) before it waits for the kernel
+// before it: ids must come from an earlier kernel than that one (moe_route, then moe_gate_up), or a copy.
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s);
 

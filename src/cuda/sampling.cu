@@ -76,6 +76,9 @@ __global__ void mark_rows(int* begin, int* end, int32_t* ids, const SampleRowDev
 struct MinOp {
   __device__ int operator()(int a, int b) const { return a < b ? a : b; }
 };
+struct MaxOp {
+  __device__ int operator()(int a, int b) const { return a > b ? a : b; }
+};
 struct Arg {
   float v;
   int i;  // INT_MAX: none
@@ -160,15 +163,21 @@ __global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const f
   double r = row.u * total - before;                // what is left of u * total at this chunk
   int pick = INT_MAX;
   for (int i = klo; i < khi; ++i) {
-    r -= weight(i);
-    if (r < 0) {
+    const double w = weight(i);
+    r -= w;
+    if (r < 0 && w > 0) {  // never a candidate without weight (a chunk can start below 0 by rounding)
       pick = i;
       break;
     }
   }
+  int last = -1;  // past the end by rounding: the last candidate with any weight (sample_token's rule)
+  for (int i = klo; i < khi; ++i)
+    if (weight(i) > 0) last = i;
   __syncthreads();
   pick = ReduceI(tmp.ri).Reduce(pick, MinOp());
-  if (tid == 0) tokens[b] = si[pick != INT_MAX ? pick : keep - 1];  // past the end by rounding: the last
+  __syncthreads();  // tmp is reused
+  last = ReduceI(tmp.ri).Reduce(last, MaxOp());
+  if (tid == 0) tokens[b] = si[pick != INT_MAX ? pick : max(last, 0)];
 }
 
 }  // namespace

@@ -273,13 +273,15 @@ void check_route() {
   }
 }
 
-// The one-launch router: norm, router GEMV, softmax and top-k; ids exact, twice in a row (the
-// launch resets its own counter). "ties": router rows duplicated in pairs, so logits tie exactly.
+// The one-launch router: norm, router GEMV, softmax and top-k; ids exact, twice in a row. Clusters
+// of 1 (E = 8), 8 and 16 blocks, several experts per warp (E = 256), K up to kRouteMaxK. "ties":
+// router rows duplicated in pairs, so logits tie exactly.
 void check_moe_route() {
   struct C { int T, E, K, D; bool renorm, ties; };
   for (C c : {C{1, 8, 2, 64, true, false}, C{1, 128, 8, 2048, true, false}, C{3, 256, 8, 100, false, false},
               C{8, 64, 8, 2048, false, false}, C{2, 60, 6, 48, true, true}, C{1, 256, 8, 2048, false, true},
-              C{5, 33, 1, 72, false, true}, C{4, 8, 8, 512, true, false}}) {
+              C{5, 33, 1, 72, false, true}, C{4, 8, 8, 512, true, false}, C{8, 128, 8, 2048, true, false},
+              C{2, 256, 32, 64, true, true}, C{1, 200, 32, 96, false, false}}) {
     auto x = randn(size_t(c.T) * c.D, 2.f), nw = randn(c.D), wr = randn(size_t(c.E) * c.D, 0.05f);
     if (c.ties)
       for (int e = 1; e < c.E; e += 2) std::copy_n(wr.begin() + size_t(e - 1) * c.D, c.D, wr.begin() + size_t(e) * c.D);
@@ -290,19 +292,17 @@ void check_moe_route() {
     matmul(logits.data(), h.data(), wb.data(), DType::BF16, c.T, c.E, c.D);
     for (int t = 0; t < c.T; ++t)
       route_softmax_topk(logits.data() + size_t(t) * c.E, c.E, c.K, c.renorm, ids.data() + t * c.K, w.data() + t * c.K);
-    Dev<float> dx(x), dnw(nw), dh(x.size()), dl(logits.size()), dw(w.size());
+    Dev<float> dx(x), dnw(nw), dh(x.size()), dw(w.size());
     Dev<uint16_t> dwr(wb);
     Dev<int32_t> di(ids.size());
-    Dev<unsigned> cnt(1);
-    CK(cudaMemset(cnt.p, 0, sizeof(unsigned)));
     int wrong = 0;
     double err = 0;
     for (int rep = 0; rep < 2; ++rep) {
       di.poison(), dw.poison();
-      CK(cu::moe_route(dh.p, dl.p, di.p, dw.p, cnt.p, dx.p, dnw.p, 1e-6f, dwr.p, c.T, c.E, c.K, c.D, c.renorm, 0));
+      CK(cu::moe_route(dh.p, di.p, dw.p, dx.p, dnw.p, 1e-6f, dwr.p, c.T, c.E, c.K, c.D, c.renorm, 0));
       const auto gi = di.get();
       for (size_t i = 0; i < ids.size(); ++i) wrong += gi[i] != ids[i];
-      err = std::max({err, rel(dw.get(), w), rel(dh.get(), h), rel(dl.get(), logits)});
+      err = std::max({err, rel(dw.get(), w), rel(dh.get(), h)});
     }
     report(fmt("moe_route T=%d E=%d K=%d D=%d renorm=%d%s (x2)", c.T, c.E, c.K, c.D, int(c.renorm), c.ties ? " ties" : ""),
            err, 1e-5, fmt("ids %s", wrong ? "DIFFER" : "exact"));
@@ -781,8 +781,20 @@ void check_attention_decode_batch() {
 enum class Match { Exact, Boundary, Wrong };
 Match classify(std::span<const float> l, const SamplingParams& p, double u, int32_t got) {
   if (got == sample_token(l, p, u)) return Match::Exact;
-  for (double v : {std::max(0.0, u - 1e-9), std::min(u + 1e-9, std::nextafter(1.0, 0.0))})
-    if (got == sample_token(l, p, v)) return Match::Boundary;
+  // u moved by 1e-9: any candidate from the one sample_token picks at u - 1e-9 to the one at
+  // u + 1e-9, in candidate order (logit desc, lower id first). Next to u = 1 the remaining weight
+  // is below the sums' rounding, so which tail candidate the walk reaches is rounding alone.
+  const int32_t lo = sample_token(l, p, std::max(0.0, u - 1e-9));
+  const int32_t hi = sample_token(l, p, std::min(u + 1e-9, std::nextafter(1.0, 0.0)));
+  auto before = [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)] || (l[size_t(a)] == l[size_t(b)] && a < b); };
+  if (got < 0 || size_t(got) >= l.size()) return Match::Wrong;
+  if (!before(got, lo) && !before(hi, got)) return Match::Boundary;
+  if (u + 1e-9 >= 1.0 && std::isfinite(l[size_t(got)]) && !before(got, lo)) {  // any later candidate with weight
+    const int k = p.top_k > 0 ? std::min<int>(p.top_k, int(l.size())) : int(l.size());
+    int rank = 0;
+    for (size_t j = 0; j < l.size(); ++j) rank += before(int32_t(j), got);
+    if (rank < k) return Match::Boundary;
+  }
   for (float tp : {std::nextafter(p.top_p, 0.f), std::min(1.f, std::nextafter(p.top_p, 2.f))}) {
     SamplingParams q = p;
     q.top_p = tp;
@@ -817,13 +829,16 @@ void check_sampling() {
                                        {0.7f, 0, 1.f, 0},   {1.5f, 40, 0.95f, 0}, {0.7f, 0, 0.9f, 0}};
   };
   std::uniform_real_distribution<double> unif(0.0, 1.0);
-  const std::vector<double> fixed_u = {0.0, 1e-12, 0.5, 0.999999};
+  // 1 - 2^-53: the walk can end with a remainder >= 0 by rounding (the last candidate with weight).
+  const std::vector<double> fixed_u = {0.0, 1e-12, 0.5, 0.999999, std::nextafter(1.0, 0.0)};
   // Logits: "randn" (N(0, 3)), "ties" (N(0, 3) rounded to quarters: many equal logits, -0 and +0
-  // among them), "equal" (all 0).
-  for (const char* kind : {"randn", "ties", "equal"})
+  // among them), "equal" (all 0), "masked" (N(0, 3) with every other logit -inf: zero-probability
+  // candidates at the end of the sorted list).
+  for (const char* kind : {"randn", "ties", "equal", "masked"})
     for (int V : {7, 1000, 8192, 151936})
       for (int B : {1, 8, 64}) {
-        if (std::strcmp(kind, "randn") != 0 && V == 151936 && B == 64) continue;  // CPU time
+        const bool masked = std::strcmp(kind, "masked") == 0;
+        if (std::strcmp(kind, "randn") != 0 && V == 151936 && (B == 64 || (masked && B > 1))) continue;  // CPU time
         const auto params = params_for(V);
         // B = 1: every (params, u) in its own launch; B > 1: row b takes params b % 9.
         const int launches = B == 1 ? int(params.size() * (fixed_u.size() + 1)) : 1;
@@ -835,6 +850,8 @@ void check_sampling() {
           if (std::strcmp(kind, "ties") == 0)
             for (float& x : l) x = std::round(x * 4.f) / 4.f;
           if (std::strcmp(kind, "equal") == 0) std::fill(l.begin(), l.end(), 0.f);
+          if (masked)
+            for (size_t i = 1; i < l.size(); i += 2) l[i] = -INFINITY;
           std::vector<cu::SampleRowDevice> rows(B);
           std::vector<SamplingParams> ps(B);
           std::vector<double> us(B);
