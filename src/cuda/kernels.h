@@ -23,6 +23,9 @@ constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
 // attention_decode, moe_route, moe_gate_up, moe_down): see dependent_launch.cuh. Off here by default;
 // the CUDA backend turns it on (TIERMOE_CUDA_PDL=0 keeps it off).
 void set_programmatic_launch(bool on);
+// The GEMV-style kernels (gemv, gemv3, moe_route) stage their input x once per block in shared
+// memory where T * K <= 4096 (on by default); off: every warp reads x (and the norm weights) itself.
+void set_gemv_stage(bool on);
 
 // x[T, D] = table[ids[t], D]                                   twin: the CPU embedding copy
 cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s);

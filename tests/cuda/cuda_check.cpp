@@ -1252,6 +1252,17 @@ int profile_main(int argc, char** argv) {
   return 0;
 }
 
+// The GEMV-style kernels again with x read by every warp (set_gemv_stage(false)): the fold that
+// the shared-memory stage replaces where T * K fits, and the path of every larger T * K.
+void check_gemv_unstaged() {
+  std::printf("-- gemv, gemv3, moe_route without the shared-memory stage --\n");
+  cu::set_gemv_stage(false);
+  check_gemv();
+  check_gemv3();
+  check_moe_route();
+  cu::set_gemv_stage(true);
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
@@ -1265,7 +1276,8 @@ int main(int argc, char** argv) {
   if (!models_only) {
     std::printf("== kernels vs CPU twins ==\n");
     const std::pair<const char*, void (*)()> checks[] = {
-        {"gemv", check_gemv}, {"gemv3", check_gemv3}, {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
+        {"gemv", check_gemv}, {"gemv3", check_gemv3}, {"gemv_unstaged", check_gemv_unstaged},
+        {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
         {"attention_prefill", check_attention_prefill}, {"attention_decode", check_attention_decode},
