@@ -7,13 +7,15 @@
 #   then B = 1, 8, 32, 64 under the A/B variants in one process per config (batchtable), then the
 #   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
-#   build (defaults, PDL off, BF16 prompt activations), interleaved in one run, then the kernel table)
+#   build (defaults, PDL off, BF16 prompt activations; new-nostage: no GEMV stage), interleaved in
+#   one run, then the kernel table)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
 # carried, when the machine lacks the tokenizer's libraries), else built here with CMake.
 # $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere (small enough to carry to a
 # device machine), unpacked to ./build-gpu first:
-#   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD
-#   cmake --build build-gpu && mkdir -p ab && xz -c build-gpu/tiermoe_cuda_check > ab/tcc.xz
+#   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD \
+#     -DTIERMOE_CHECK_CUDA_ARCH=90-real     # SASS only: ~1.0 MB xz instead of ~1.8 (the transfer is capped)
+#   cmake --build build-gpu && mkdir -p ab && strip -o /tmp/tcc build-gpu/tiermoe_cuda_check && xz -9e -c /tmp/tcc > ab/tcc.xz
 #   (on the device) CHECK_XZ=ab/tcc.xz scripts/gpu_check.sh quick
 # Mode sampling: device against host sampling (TIERMOE_CUDA_SAMPLE=0): greedy, top-k 40 + top-p 0.95
 # (the device's select path) and top-p alone (its sort path); no check first (run
@@ -85,7 +87,8 @@ for line in open(sys.argv[1]):
 PY
 }
 if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + PDL per row
-  [ -x "${OLD_BIN:-}" ] || { echo "ab: OLD_BIN must name the earlier build's tiermoe_cuda_check"; exit 2; }
+  # AB_VARIANTS without "old" needs no OLD_BIN: e.g. AB_VARIANTS="new new-nostage" (the GEMV stage's A/B)
+  [[ " ${AB_VARIANTS:-old} " != *" old "* ]] || [ -x "${OLD_BIN:-}" ] || { echo "ab: OLD_BIN must name the earlier build's tiermoe_cuda_check"; exit 2; }
   for row in "olmoe-1b-7b-v8192.json 16 128 3" "olmoe-1b-7b-v8192.json 4096 64 2" \
              "qwen3-30b-a3b-L16-v8192.json 16 128 3" "qwen3-30b-a3b-L16-v8192.json 4096 64 2"; do
     set -- $row
@@ -94,8 +97,9 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
         bin=$C; [ $v = old ] && bin=$OLD_BIN
         pdl=1; [ $v = new-nopdl ] && pdl=0
         split=1; [ $v = new-bf16prompt ] && split=0
+        stage=1; [ $v = new-nostage ] && stage=0
         log "ab $1 ctx=$2 $v round $round"
-        timeout 75 env TIERMOE_CUDA_PDL=$pdl TIERMOE_CUDA_SPLIT=$split $bin bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
+        timeout 75 env TIERMOE_CUDA_PDL=$pdl TIERMOE_CUDA_SPLIT=$split TIERMOE_CUDA_GEMV_STAGE=$stage $bin bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
           sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/ab.jsonl"
       done
     done
