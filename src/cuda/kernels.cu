@@ -380,7 +380,9 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
   __shared__ float inv_s[TT];
   cg::cluster_group cluster = cg::this_cluster();
   float* lead = cluster.map_shared_rank(lg, 0);
-  cluster.sync();  // every block has started before any writes another's shared memory (under PDL: while the previous kernel runs)
+  // Every block of the cluster must have started before any writes another's shared memory (under
+  // programmatic launch this barrier passes while the previous kernel still runs).
+  cluster.sync();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, stride = int(gridDim.x) * kWarps;
   __shared__ GemvStage st;
   float inv[TT];
