@@ -18,7 +18,7 @@ int32_t argmax(std::span<const float> logits) {
 
 int32_t sample_token(std::span<const float> logits, const SamplingParams& p, double u) {
   CHECK(!logits.empty());
-  if (p.temperature == 0.f || p.top_k == 1) return argmax(logits);
+  if (is_greedy(p)) return argmax(logits);
   const int V = int(logits.size());
   std::vector<int32_t> idx(V);
   std::iota(idx.begin(), idx.end(), 0);

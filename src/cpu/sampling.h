@@ -14,6 +14,9 @@ struct SamplingParams {
   uint64_t seed = 0;
 };
 
+// Whether p picks the argmax (temperature 0 or top_k 1): no uniform is consumed.
+inline bool is_greedy(const SamplingParams& p) { return p.temperature == 0.f || p.top_k == 1; }
+
 // Index of the largest logit; ties go to the lower index.
 int32_t argmax(std::span<const float> logits);
 

@@ -14,7 +14,7 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);  // throws InputError for out-of-range values
   const SamplingParams& params() const { return p_; }
-  bool greedy() const { return p_.temperature == 0.f || p_.top_k == 1; }
+  bool greedy() const { return is_greedy(p_); }
   // The uniform in [0, 1) the next sample consumes: one draw from the RNG, or none (0) when
   // greedy. Drawn as std::uniform_real_distribution<double> drew it before the split, so
   // seeded outputs are unchanged.
