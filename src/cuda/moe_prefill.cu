@@ -153,7 +153,6 @@ __global__ void __launch_bounds__(kGemmThreads)
   }
 }
 
-
 // ---- Pipelined kernel -------------------------------------------------------------------------
 // Block tile kMoeTileM (64) rows x kPipeN (128) columns, k-steps of kPipeK (32); 4 warps in 2 x 2,
 // each 32 rows x 64 columns (2 x 8 MMA tiles of 16 x 8: 64 FP32 accumulators per lane, and 64 for
