@@ -47,8 +47,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const float* __restrict__ q, bf16* kc, bf16* vc, bf16* const* __restrict__ kcs, bf16* const* __restrict__ vcs,
     const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
     int Dh) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
   const int G = H / Hkv, L = Dh / 8, slots = 32 / L, tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
@@ -60,6 +58,24 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   const int split_len = ((per_seq ? pos[t] : pos[T - 1]) + 1 + n_splits - 1) / n_splits;
   const int start = s * split_len, end = min(n, start + split_len);
   const size_t row = size_t(Hkv) * Dh;
+
+  __shared__ __align__(16) uint4 ktile[kTileElems / 8], vtile[kTileElems / 8];
+  // K/V rows [t0, t0 + nk) already in the cache (rows of earlier passes) -> the tile, by cp.async.
+  auto load_cached = [&](int t0, int nk) {
+    const int cached = max(0, min(nk, first_new - t0));
+    for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
+      const size_t off = size_t(t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
+      cp_async16(&ktile[i], kc + off, true);
+      cp_async16(&vtile[i], vc + off, true);
+    }
+    return cached;
+  };
+  // Before the wait for the previous kernel (q/k norm + RoPE): the first tile's cached rows, which
+  // no kernel of this pass writes (pos, and with kcs the cache pointers, were copied before the
+  // pass's first kernel), so under programmatic launch they load while that kernel runs.
+  const int first_cached = start < end ? load_cached(start, min(tile, end - start)) : 0;
+  pdl_wait();
+  pdl_launch_dependents();
 
   // This block's KV head of token t's new row goes into the cache, if its key falls in this split.
   if (pos[t] >= start && pos[t] < start + split_len)
@@ -87,7 +103,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[n_][i] = 0.f;
 
-  __shared__ __align__(16) uint4 ktile[kTileElems / 8], vtile[kTileElems / 8];
   __shared__ float S[GM][kMaxTile];               // scores, then probabilities
   __shared__ float mrun[GM], lrun[GM], corr[GM];  // online softmax state per head
   if (threadIdx.x < GM) mrun[threadIdx.x] = -INFINITY, lrun[threadIdx.x] = 0.f;
@@ -95,12 +110,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   for (int t0 = start; t0 < end; t0 += tile) {
     const int nk = min(tile, end - t0);
     __syncthreads();  // the previous tile is consumed
-    const int cached = max(0, min(nk, first_new - t0));  // the tile's keys already in the cache
-    for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
-      const size_t off = size_t(t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
-      cp_async16(&ktile[i], kc + off, true);
-      cp_async16(&vtile[i], vc + off, true);
-    }
+    const int cached = t0 == start ? first_cached : load_cached(t0, nk);  // the tile's keys already in the cache
     for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
       const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
       const float *pk = k_new + src, *pv = v_new + src;
@@ -198,11 +208,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const int g = i / Dh, d = i % Dh, c = d / 8;
     float a = 0.f;
     for (int kp = 0; kp < KP; ++kp) a += red[(kp * GL + g * L + c) * 8 + d % 8];
+    if (n_splits == 1) {  // the only split: the output directly (the merge's weight would be exactly 1)
+      out[(size_t(t) * H + kvh * G + g) * Dh + d] = a / lrun[g];
+      continue;
+    }
     float* dst = partial + ((size_t(t) * H + kvh * G + g) * n_splits + s) * (Dh + 2);
     dst[2 + d] = a;
     if (d == 0) dst[0] = mrun[g], dst[1] = lrun[g];
   }
 
+  if (n_splits == 1) return;
   // The last split block of (t, kvh) combines all splits.
   __threadfence();
   __syncthreads();

@@ -153,8 +153,9 @@ cudaError_t attention_prefill(float* out, const float* q, const bf16* kc, const 
 // sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]
 // into the cache, attends over rows 0 .. pos[t] (the new rows read from k_new/v_new), cutting the
 // keys into n_splits equal splits, and merges them. partial[T, H, n_splits, Dh + 2] is scratch;
-// counters[T * Hkv] must be zero before the first launch and are left zero.
-//                                                        twin: kv_append + attention_causal
+// counters[T * Hkv] must be zero before the first launch and are left zero. Under programmatic
+// launch the first tile of cached rows (before pos[0]) is read before the wait for the previous
+// kernel: that kernel must not write them (nor pos, kcs, vcs).   twin: kv_append + attention_causal
 cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
                              const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                              unsigned* counters, cudaStream_t s);
