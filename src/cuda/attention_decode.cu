@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, bf16* const* __restrict__ kcs, bf16* const* __restrict__ vcs,
     const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
-    int Dh) {
+    int Dh, bool early) {
   const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
   const int G = H / Hkv, L = Dh / 8, slots = 32 / L, tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // Before the wait for the previous kernel (q/k norm + RoPE): the first tile's cached rows, which
   // no kernel of this pass writes (pos, and with kcs the cache pointers, were copied before the
   // pass's first kernel), so under programmatic launch they load while that kernel runs.
-  const int first_cached = start < end ? load_cached(start, min(tile, end - start)) : 0;
+  const int first_cached = early && start < end ? load_cached(start, min(tile, end - start)) : -1;
   pdl_wait();
   pdl_launch_dependents();
 
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   for (int t0 = start; t0 < end; t0 += tile) {
     const int nk = min(tile, end - t0);
     __syncthreads();  // the previous tile is consumed
-    const int cached = t0 == start ? first_cached : load_cached(t0, nk);  // the tile's keys already in the cache
+    const int cached = t0 == start && first_cached >= 0 ? first_cached : load_cached(t0, nk);  // already cached
     for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
       const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
       const float *pk = k_new + src, *pv = v_new + src;
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const int g = i / Dh, d = i % Dh, c = d / 8;
     float a = 0.f;
     for (int kp = 0; kp < KP; ++kp) a += red[(kp * GL + g * L + c) * 8 + d % 8];
-    if (n_splits == 1) {  // the only split: the output directly (the merge's weight would be exactly 1)
+    if (early && n_splits == 1) {  // the only split: the output directly (the merge's weight would be exactly 1)
       out[(size_t(t) * H + kvh * G + g) * Dh + d] = a / lrun[g];
       continue;
     }
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     if (d == 0) dst[0] = mrun[g], dst[1] = lrun[g];
   }
 
-  if (n_splits == 1) return;
+  if (early && n_splits == 1) return;
   // The last split block of (t, kvh) combines all splits.
   __threadfence();
   __syncthreads();
@@ -265,6 +265,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 }  // namespace
 
 namespace {
+bool g_attention_early = true;  // TIERMOE_CUDA_ATTN_EARLY=0: the first tile after the wait, the merge even for one split
+
 cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, bf16* const* kcs, bf16* const* vcs,
                                     const float* k_new, const float* v_new, const int32_t* pos, int T, int H, int Hkv,
                                     int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s) {
@@ -273,7 +275,8 @@ cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* 
   const int G = H / Hkv, threads = kWarpsPerBlock * 32;
   auto* kernel = G == 1 ? attention_decode_kernel<1>
                         : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
-  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, kcs, vcs, k_new, v_new, pos, H, Hkv, Dh);
+  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, kcs, vcs, k_new, v_new, pos, H, Hkv, Dh,
+                g_attention_early);
 }
 }  // namespace
 
@@ -293,6 +296,8 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs,
   return launch_attention_decode(out, q, nullptr, nullptr, kcs, vcs, k_new, v_new, pos, B, H, Hkv, Dh, n_splits,
                                  partial, counters, s);
 }
+
+void set_attention_early(bool on) { g_attention_early = on; }
 
 bool attention_decode_supported(int H, int Hkv, int Dh) {
   const int G = Hkv > 0 && H % Hkv == 0 ? H / Hkv : 0;

@@ -227,6 +227,8 @@ class CudaBackend final : public Backend {
     cuda::set_programmatic_launch(!(pdl && pdl[0] == '0'));
     const char* stage = std::getenv("TIERMOE_CUDA_GEMV_STAGE");
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
+    const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
+    cuda::set_attention_early(!(early && early[0] == '0'));
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");

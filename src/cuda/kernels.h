@@ -168,6 +168,8 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs,
                                    const float* v_new, const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits,
                                    float* partial, unsigned* counters, cudaStream_t s);
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
+// Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
+void set_attention_early(bool on);
 bool attention_decode_supported(int H, int Hkv, int Dh);
 
 // w[n] = uniform(-scale, scale) from a counter hash of (seed, i); for dummy weights.
