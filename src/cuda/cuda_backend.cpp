@@ -464,7 +464,7 @@ void CudaBackend::alloc_workspace() {
   partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
                  H * (Dh + 2);
   partial_ = dalloc<float>(owned_, partial_cap_);
-  const size_t n_counters = size_t(std::max(Tm, cuda::kGemvMaxT)) * Hkv;  // (token, KV head)
+  const size_t n_counters = size_t(std::max(Tm, cuda::kGemvMaxT)) * H;  // (token, block of a KV head): H at most
   split_counters_ = dalloc<unsigned>(owned_, n_counters);
   CUDA_CK(cudaMemset(split_counters_, 0, n_counters * sizeof(unsigned)));
   kv_ptrs_ = dalloc<bf16*>(owned_, size_t(cfg_.num_layers) * 2 * Tm);

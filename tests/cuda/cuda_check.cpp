@@ -687,7 +687,7 @@ void check_attention_decode() {
     Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
     Dev<uint16_t> dkc(kc), dvc(vc);
     Dev<int32_t> dp(pos);
-    Dev<unsigned> cnt(size_t(c.T) * c.Hkv);
+    Dev<unsigned> cnt(size_t(c.T) * c.H);
     CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
     CK(cu::attention_decode(dout.p, dq.p, dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p,
                             cnt.p, 0));
@@ -748,7 +748,7 @@ void check_attention_decode_batch() {
     Dev<uint16_t*> dkp(kp), dvp(vp);
     Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(B) * c.H * c.n_splits * (c.Dh + 2));
     Dev<int32_t> dp(pos);
-    Dev<unsigned> cnt(size_t(B) * c.Hkv);
+    Dev<unsigned> cnt(size_t(B) * c.H);
     CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
     CK(cu::attention_decode_batch(dout.p, dq.p, dkp.p, dvp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
                                   part.p, cnt.p, 0));
