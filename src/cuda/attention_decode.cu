@@ -8,7 +8,8 @@
 // keys and values are taken from k_new / v_new (FP32, rounded to BF16 as the cache stores them),
 // never from the cache rows this launch writes, so no block waits on another. The last block of a
 // (token, KV head) to finish -- counted with an atomic, reset by that block for the next launch --
-// merges the splits' partial softmax results.
+// merges the splits' partial softmax results. When (KV head, split) blocks are few -- short
+// contexts, few KV heads -- HG blocks share a KV head, each with G / HG of its query heads.
 #include <cmath>
 
 #include <cuda_bf16.h>
@@ -30,7 +31,7 @@ __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
   f[6] = __uint_as_float(w.w << 16), f[7] = __uint_as_float(w.w & 0xffff0000u);
 }
 
-// grid (Hkv, n_splits, T), kWarpsPerBlock warps. GM >= G query heads per KV head. Dh = 8 * L with
+// grid (Hkv * HG, n_splits, T), kWarpsPerBlock warps. GM >= G query heads per block (H / Hkv / HG). Dh = 8 * L with
 // L lanes per key, L in {2, 4, 8, 16, 32}. The keys 0 .. pos[T-1] are cut into n_splits equal
 // splits here (not by the caller), so one captured launch stays balanced as the sequence grows.
 // Each split is read in tiles: all threads load a tile of K and V rows into shared memory at once
@@ -46,11 +47,12 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, bf16* const* __restrict__ kcs, bf16* const* __restrict__ vcs,
     const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
-    int Dh) {
-  pdl_wait();
-  pdl_launch_dependents();
-  const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
-  const int G = H / Hkv, L = Dh / 8, slots = 32 / L, tile = min(kMaxTile, kTileElems / Dh);
+    int Dh, bool early) {
+  // gridDim.x = Hkv * HG: HG blocks share a KV head, each with G of its query heads from head h0.
+  const int HG = gridDim.x / Hkv, kvh = blockIdx.x / HG, hg = blockIdx.x % HG;
+  const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
+  const int G = H / Hkv / HG, h0 = kvh * (H / Hkv) + hg * G, L = Dh / 8, slots = 32 / L;
+  const int tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
   // With kcs (one sequence per token): token t's own cache, its one new key at pos[t], its keys
   // split n_splits ways; else all T tokens are new keys of one sequence at pos[0] ...
@@ -61,8 +63,26 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   const int start = s * split_len, end = min(n, start + split_len);
   const size_t row = size_t(Hkv) * Dh;
 
+  __shared__ __align__(16) uint4 ktile[kTileElems / 8], vtile[kTileElems / 8];
+  // K/V rows [t0, t0 + nk) already in the cache (rows of earlier passes) -> the tile, by cp.async.
+  auto load_cached = [&](int t0, int nk) {
+    const int cached = max(0, min(nk, first_new - t0));
+    for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
+      const size_t off = size_t(t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
+      cp_async16(&ktile[i], kc + off, true);
+      cp_async16(&vtile[i], vc + off, true);
+    }
+    return cached;
+  };
+  // Before the wait for the previous kernel (q/k norm + RoPE): the first tile's cached rows, which
+  // no kernel of this pass writes (pos, and with kcs the cache pointers, were copied before the
+  // pass's first kernel), so under programmatic launch they load while that kernel runs.
+  const int first_cached = early && start < end ? load_cached(start, min(tile, end - start)) : -1;
+  pdl_wait();
+  pdl_launch_dependents();
+
   // This block's KV head of token t's new row goes into the cache, if its key falls in this split.
-  if (pos[t] >= start && pos[t] < start + split_len)
+  if (hg == 0 && pos[t] >= start && pos[t] < start + split_len)
     for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
       const size_t src = size_t(pos[t] - first_new) * row + size_t(kvh) * Dh + i;
       const size_t dst = size_t(pos[t]) * row + size_t(kvh) * Dh + i;
@@ -75,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 #pragma unroll
   for (int g = 0; g < GM; ++g)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) qr[g][i] = g < G ? q[(size_t(t) * H + kvh * G + g) * Dh + part * 8 + i] * scale : 0.f;
+    for (int i = 0; i < 8; ++i) qr[g][i] = g < G ? q[(size_t(t) * H + h0 + g) * Dh + part * 8 + i] * scale : 0.f;
 
   // Phase C's work split: item it = (kp, g, c), c fastest (neighbouring lanes read neighbouring
   // 16 bytes of a V row: no bank conflicts) = head g, dims 8c..8c+7, keys kp, kp + KP, ...
@@ -87,7 +107,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[n_][i] = 0.f;
 
-  __shared__ __align__(16) uint4 ktile[kTileElems / 8], vtile[kTileElems / 8];
   __shared__ float S[GM][kMaxTile];               // scores, then probabilities
   __shared__ float mrun[GM], lrun[GM], corr[GM];  // online softmax state per head
   if (threadIdx.x < GM) mrun[threadIdx.x] = -INFINITY, lrun[threadIdx.x] = 0.f;
@@ -95,12 +114,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   for (int t0 = start; t0 < end; t0 += tile) {
     const int nk = min(tile, end - t0);
     __syncthreads();  // the previous tile is consumed
-    const int cached = max(0, min(nk, first_new - t0));  // the tile's keys already in the cache
-    for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
-      const size_t off = size_t(t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
-      cp_async16(&ktile[i], kc + off, true);
-      cp_async16(&vtile[i], vc + off, true);
-    }
+    const int cached = t0 == start && first_cached >= 0 ? first_cached : load_cached(t0, nk);  // already cached
     for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
       const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
       const float *pk = k_new + src, *pv = v_new + src;
@@ -198,16 +212,21 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const int g = i / Dh, d = i % Dh, c = d / 8;
     float a = 0.f;
     for (int kp = 0; kp < KP; ++kp) a += red[(kp * GL + g * L + c) * 8 + d % 8];
-    float* dst = partial + ((size_t(t) * H + kvh * G + g) * n_splits + s) * (Dh + 2);
+    if (early && n_splits == 1) {  // the only split: the output directly (the merge's weight would be exactly 1)
+      out[(size_t(t) * H + h0 + g) * Dh + d] = a / lrun[g];
+      continue;
+    }
+    float* dst = partial + ((size_t(t) * H + h0 + g) * n_splits + s) * (Dh + 2);
     dst[2 + d] = a;
     if (d == 0) dst[0] = mrun[g], dst[1] = lrun[g];
   }
 
-  // The last split block of (t, kvh) combines all splits.
+  if (early && n_splits == 1) return;
+  // The last split block of (t, kvh, hg) combines all splits.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned* c = counters + size_t(t) * Hkv + kvh;
+    unsigned* c = counters + size_t(t) * gridDim.x + blockIdx.x;
     is_last = atomicAdd(c, 1u) == unsigned(n_splits - 1);
     if (is_last) *c = 0;  // ready for the next launch (kernels on one stream run in order)
   }
@@ -218,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // loads of 8 splits in flight at a time to hide the L2 latency.
   __shared__ float Mh[GM];
   for (int g = warp; g < G; g += kWarpsPerBlock) {
-    const float* p = partial + (size_t(t) * H + kvh * G + g) * n_splits * (Dh + 2);
+    const float* p = partial + (size_t(t) * H + h0 + g) * n_splits * (Dh + 2);
     float M = -INFINITY;
     for (int i = lane; i < n_splits; i += 32) M = fmaxf(M, __ldcg(p + size_t(i) * (Dh + 2)));
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
@@ -227,7 +246,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   __syncthreads();
   for (int it = threadIdx.x; it < G * Dh / 2; it += blockDim.x) {
     const int g = it / (Dh / 2), c = it % (Dh / 2);
-    const float* p = partial + (size_t(t) * H + kvh * G + g) * n_splits * (Dh + 2);
+    const float* p = partial + (size_t(t) * H + h0 + g) * n_splits * (Dh + 2);
     const float M = Mh[g];
     float2 a = make_float2(0.f, 0.f);
     float Lsum = 0.f;
@@ -241,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
       a.x = fmaf(v.x, w, a.x);
       a.y = fmaf(v.y, w, a.y);
     }
-    float* o = out + (size_t(t) * H + kvh * G + g) * Dh + 2 * c;
+    float* o = out + (size_t(t) * H + h0 + g) * Dh + 2 * c;
     o[0] = a.x / Lsum;
     o[1] = a.y / Lsum;
   }
@@ -250,15 +269,38 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 }  // namespace
 
 namespace {
+bool g_attention_early = true;  // TIERMOE_CUDA_ATTN_EARLY=0: the first tile after the wait, the merge even for one split,
+                                // all G heads of a KV head in one block
+
+// How many blocks share a KV head (each with G / HG of its query heads): the most, in powers of
+// two dividing G, that keep the grid within two blocks per multiprocessor. Few (KV head, split)
+// blocks -- short contexts, few KV heads (Qwen3-30B-A3B: 4) -- otherwise leave most of the GPU
+// idle while each block works through G heads; the K/V rows are then read HG times, which at
+// those lengths is little.
+int head_groups(int G, int blocks) {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+                   cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess
+               ? n
+               : 0;
+  }();
+  int hg = 1;
+  while (G % (2 * hg) == 0 && blocks * 2 * hg <= 2 * sms) hg *= 2;
+  return hg;
+}
+
 cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, bf16* const* kcs, bf16* const* vcs,
                                     const float* k_new, const float* v_new, const int32_t* pos, int T, int H, int Hkv,
                                     int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  const dim3 grid(Hkv, n_splits, T);
-  const int G = H / Hkv, threads = kWarpsPerBlock * 32;
+  const int HG = g_attention_early ? head_groups(H / Hkv, Hkv * n_splits * T) : 1, G = H / Hkv / HG;
+  const dim3 grid(Hkv * HG, n_splits, T);
+  const int threads = kWarpsPerBlock * 32;
   auto* kernel = G == 1 ? attention_decode_kernel<1>
                         : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
-  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, kcs, vcs, k_new, v_new, pos, H, Hkv, Dh);
+  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, kcs, vcs, k_new, v_new, pos, H, Hkv, Dh,
+                g_attention_early);
 }
 }  // namespace
 
@@ -278,6 +320,8 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs,
   return launch_attention_decode(out, q, nullptr, nullptr, kcs, vcs, k_new, v_new, pos, B, H, Hkv, Dh, n_splits,
                                  partial, counters, s);
 }
+
+void set_attention_early(bool on) { g_attention_early = on; }
 
 bool attention_decode_supported(int H, int Hkv, int Dh) {
   const int G = Hkv > 0 && H % Hkv == 0 ? H / Hkv : 0;

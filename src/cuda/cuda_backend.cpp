@@ -227,6 +227,8 @@ class CudaBackend final : public Backend {
     cuda::set_programmatic_launch(!(pdl && pdl[0] == '0'));
     const char* stage = std::getenv("TIERMOE_CUDA_GEMV_STAGE");
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
+    const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
+    cuda::set_attention_early(!(early && early[0] == '0'));
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
@@ -462,7 +464,7 @@ void CudaBackend::alloc_workspace() {
   partial_cap_ = std::max(size_t(Tm) * 32, size_t(cuda::kGemvMaxT) * size_t((max_ctx + kDecodeSplit - 1) / kDecodeSplit * 2)) *
                  H * (Dh + 2);
   partial_ = dalloc<float>(owned_, partial_cap_);
-  const size_t n_counters = size_t(std::max(Tm, cuda::kGemvMaxT)) * Hkv;  // (token, KV head)
+  const size_t n_counters = size_t(std::max(Tm, cuda::kGemvMaxT)) * H;  // (token, block of a KV head): H at most
   split_counters_ = dalloc<unsigned>(owned_, n_counters);
   CUDA_CK(cudaMemset(split_counters_, 0, n_counters * sizeof(unsigned)));
   kv_ptrs_ = dalloc<bf16*>(owned_, size_t(cfg_.num_layers) * 2 * Tm);

@@ -153,20 +153,23 @@ cudaError_t attention_prefill(float* out, const float* q, const bf16* kc, const 
 // sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]
 // into the cache, attends over rows 0 .. pos[t] (the new rows read from k_new/v_new), cutting the
 // keys into n_splits equal splits, and merges them. partial[T, H, n_splits, Dh + 2] is scratch;
-// counters[T * Hkv] must be zero before the first launch and are left zero.
-//                                                        twin: kv_append + attention_causal
+// counters[T * H] must be zero before the first launch and are left zero. Under programmatic
+// launch the first tile of cached rows (before pos[0]) is read before the wait for the previous
+// kernel: that kernel must not write them (nor pos, kcs, vcs).   twin: kv_append + attention_causal
 cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
                              const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                              unsigned* counters, cudaStream_t s);
 // The same for B sequences with one new token each, in one launch: token b's cache rows are
 // kcs[b] / vcs[b] (DEVICE arrays of B device pointers), its position pos[b]; each sequence's keys
 // are cut into n_splits splits (n_splits for the longest: shorter ones get shorter splits).
-// partial[B, H, n_splits, Dh + 2]; counters[B * Hkv] as above.   twin: per sequence, kv_append +
+// partial[B, H, n_splits, Dh + 2]; counters[B * H] as above.   twin: per sequence, kv_append +
 // attention_causal
 cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs, bf16* const* vcs, const float* k_new,
                                    const float* v_new, const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits,
                                    float* partial, unsigned* counters, cudaStream_t s);
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
+// Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
+void set_attention_early(bool on);
 bool attention_decode_supported(int H, int Hkv, int Dh);
 
 // w[n] = uniform(-scale, scale) from a counter hash of (seed, i); for dummy weights.

@@ -687,7 +687,7 @@ void check_attention_decode() {
     Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
     Dev<uint16_t> dkc(kc), dvc(vc);
     Dev<int32_t> dp(pos);
-    Dev<unsigned> cnt(size_t(c.T) * c.Hkv);
+    Dev<unsigned> cnt(size_t(c.T) * c.H);
     CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
     CK(cu::attention_decode(dout.p, dq.p, dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p,
                             cnt.p, 0));
@@ -748,7 +748,7 @@ void check_attention_decode_batch() {
     Dev<uint16_t*> dkp(kp), dvp(vp);
     Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(B) * c.H * c.n_splits * (c.Dh + 2));
     Dev<int32_t> dp(pos);
-    Dev<unsigned> cnt(size_t(B) * c.Hkv);
+    Dev<unsigned> cnt(size_t(B) * c.H);
     CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
     CK(cu::attention_decode_batch(dout.p, dq.p, dkp.p, dvp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
                                   part.p, cnt.p, 0));
@@ -1263,6 +1263,16 @@ void check_gemv_unstaged() {
   cu::set_gemv_stage(true);
 }
 
+// Decode attention again with set_attention_early(false): the first cached tile loaded after the
+// wait and the merge even for one split (the path the early one replaced; for A/B timing).
+void check_attention_decode_late() {
+  std::printf("-- attention_decode, attention_decode_batch: first tile after the wait, merge always --\n");
+  cu::set_attention_early(false);
+  check_attention_decode();
+  check_attention_decode_batch();
+  cu::set_attention_early(true);
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
@@ -1281,7 +1291,8 @@ int main(int argc, char** argv) {
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
         {"attention_prefill", check_attention_prefill}, {"attention_decode", check_attention_decode},
-        {"attention_decode_batch", check_attention_decode_batch}, {"sample_tokens", check_sampling}};
+        {"attention_decode_batch", check_attention_decode_batch},
+        {"attention_decode_late", check_attention_decode_late}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
       if (want(name)) check();
   }
