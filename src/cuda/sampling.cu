@@ -1,5 +1,6 @@
 // sample_tokens(): see sampling.h. Three launches, all stream-ordered: mark the rows to sort,
-// cub's segmented radix sort of the sampled rows' (logit, id) pairs, then one block per row.
+// cub's segmented radix sort of the sort rows' (logit, id) pairs, then one block per row (which
+// selects and sorts its own top k first on a select row).
 // Shape legend: B logits rows, V vocabulary.
 #include "cuda/sampling.h"
 
@@ -14,10 +15,23 @@ namespace tiermoe::cuda {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr int kSelectMax = 2 * kThreads;  // the largest top_k the select path takes: one pair per thread per sort stage
 
 // Rows that take the argmax and need no sort: greedy ones, and V = 1 (cub leaves a one-element
 // segment unwritten).
 __device__ bool argmax_row(const SampleRowDevice& r, int V) { return r.temperature == 0.f || r.top_k == 1 || V == 1; }
+// Rows whose block selects its top k itself, instead of the segmented sort.
+__device__ bool select_row(const SampleRowDevice& r, int V) {
+  return !argmax_row(r, V) && r.top_k > 0 && r.top_k <= kSelectMax;
+}
+
+// The float as an unsigned integer of the same order (-inf lowest); -0 maps to +0's key, so that
+// they tie as in the sort (and on the CPU).
+__device__ uint32_t order_key(float f) {
+  const uint32_t bits = __float_as_uint(f) & 0x7fffffffu ? __float_as_uint(f) : 0u;
+  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+__device__ float key_float(uint32_t key) { return __uint_as_float(key & 0x80000000u ? key & 0x7fffffffu : ~key); }
 
 // The scratch, carved in 256-byte aligned pieces.
 struct Scratch {
@@ -61,10 +75,11 @@ Scratch layout(void* base, int B, int V, size_t temp_bytes) {
   return s;
 }
 
-// grid (ceil(V / kThreads), B): segment bounds and ids 0 .. V-1 for the rows to sort.
+// grid (ceil(V / kThreads), B): segment bounds and ids 0 .. V-1 for the rows to sort (sampled
+// rows that do not select; the others get an empty segment).
 __global__ void mark_rows(int* begin, int* end, int32_t* ids, const SampleRowDevice* rows, int V) {
   const int b = blockIdx.y;
-  const bool greedy = argmax_row(rows[b], V);
+  const bool greedy = argmax_row(rows[b], V) || select_row(rows[b], V);  // no sort
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     begin[b] = b * V;
     end[b] = greedy ? b * V : (b + 1) * V;
@@ -91,12 +106,113 @@ struct ArgMaxOp {  // the larger value; ties (and -inf rows) to the lower index,
   }
 };
 
-// grid B, block kThreads: tokens[b]. Sampled rows: thread t owns the contiguous candidates
+// One block, on a select row: keys[0, k) and ids[0, k) = the row's top k (logit, id) pairs in the
+// sort's order (logit descending, ties by ascending id), k = min(top_k, V) <= kSelectMax.
+// A radix select of the k-th largest order_key, 8 bits per pass from the top (shared histogram of
+// the keys that match the digits found so far), gives the threshold key t and how many of the
+// keys equal to t are taken (need); the candidates are every key above t plus the `need`
+// lowest-index keys at t (each warp walks a contiguous slice in index order and ranks its keys at
+// t by ballot, after the warps before it); then a bitonic sort of the k in shared memory.
+__device__ void select_top_k(float* keys, int32_t* ids, const float* x, int V, int k) {
+  __shared__ unsigned hist[256];
+  __shared__ unsigned long long cand[kSelectMax];  // (key << 32) | ~id: descending = the sort's order
+  __shared__ unsigned found_prefix, found_need, found_at_t, taken;
+  __shared__ unsigned warp_at_t[kThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  uint32_t prefix = 0, mask = 0;
+  unsigned need = unsigned(k), at_t = 0;  // keys matching prefix still to take; keys equal to t
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    for (int i0 = 0; i0 < V; i0 += kThreads) {  // one atomic per digit per warp: logits share few top bytes
+      const int i = i0 + tid;
+      const uint32_t key = i < V ? order_key(x[i]) : 0;
+      const unsigned digit = i < V && (key & mask) == prefix ? (key >> shift) & 255 : 256;
+      const unsigned peers = __match_any_sync(0xffffffffu, digit);
+      if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], unsigned(__popc(peers)));
+    }
+    __syncthreads();
+    if (warp == 0) {  // lane l holds digits 255 - 8l down to 248 - 8l; the digit where need is reached
+      unsigned c[8], sum = 0;
+      for (int j = 0; j < 8; ++j) sum += c[j] = hist[255 - 8 * lane - j];
+      unsigned incl = sum;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+      }
+      unsigned acc = incl - sum;
+      if (acc < need && need <= incl)
+        for (int j = 0; j < 8; ++j) {
+          if (acc + c[j] >= need) {
+            found_prefix = prefix | uint32_t(255 - 8 * lane - j) << shift;
+            found_need = need - acc;
+            found_at_t = c[j];
+            break;
+          }
+          acc += c[j];
+        }
+    }
+    __syncthreads();
+    prefix = found_prefix;
+    need = found_need;
+    at_t = found_at_t;
+    mask |= 255u << shift;
+  }
+  const uint32_t t = prefix;
+  // Warp slices [lo, hi) in index order; the keys at t before each warp's slice, when not all taken.
+  const int slice = (V + kThreads / 32 - 1) / (kThreads / 32), lo = min(V, warp * slice), hi = min(V, lo + slice);
+  const bool all_at_t = at_t == need;
+  if (tid == 0) taken = 0;
+  if (!all_at_t) {
+    unsigned n = 0;
+    for (int i0 = lo; i0 < hi; i0 += 32) {
+      const int i = i0 + lane;
+      n += __popc(__ballot_sync(0xffffffffu, i < hi && order_key(x[i]) == t));
+    }
+    if (lane == 0) warp_at_t[warp] = n;
+  }
+  __syncthreads();
+  unsigned rank = 0;  // keys at t before this lane's
+  if (!all_at_t)
+    for (int w = 0; w < warp; ++w) rank += warp_at_t[w];
+  for (int i0 = lo; i0 < hi; i0 += 32) {
+    const int i = i0 + lane;
+    const uint32_t key = i < hi ? order_key(x[i]) : 0;
+    const unsigned eq = __ballot_sync(0xffffffffu, i < hi && key == t);
+    const bool take = i < hi && (key > t || (key == t && (all_at_t || rank + __popc(eq & ((1u << lane) - 1)) < need)));
+    if (take) cand[atomicAdd(&taken, 1u)] = (uint64_t(key) << 32) | ~uint32_t(i);
+    rank += __popc(eq);
+  }
+  int n = 2;  // the sort's size: a power of two >= k, padded with 0 (below every candidate)
+  while (n < k) n *= 2;
+  __syncthreads();
+  for (int i = k + tid; i < n; i += kThreads) cand[i] = 0;
+  __syncthreads();
+  for (int size = 2; size <= n; size *= 2)
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int p = tid; p < n / 2; p += kThreads) {
+        const int i = 2 * p - (p & (stride - 1)), j = i + stride;
+        const unsigned long long a = cand[i], c = cand[j];
+        if ((a < c) == ((i & size) == 0)) {  // descending where i & size is 0 (all of it at size n)
+          cand[i] = c;
+          cand[j] = a;
+        }
+      }
+      __syncthreads();
+    }
+  for (int i = tid; i < k; i += kThreads) {
+    keys[i] = key_float(uint32_t(cand[i] >> 32));
+    ids[i] = int32_t(~uint32_t(cand[i]));
+  }
+  __syncthreads();  // the block's writes are visible to the block after this
+}
+
+// grid B, block kThreads: tokens[b]. Sampled rows (sorted by the sort, or by select_top_k here): thread t owns the contiguous candidates
 // [t * chunk, (t + 1) * chunk) of the sorted row, so that a block scan of the threads' partial
 // sums plus a walk inside each chunk finds the same first index as the CPU's sequential walk.
 // Weights are recomputed (exp in double) at each pass rather than stored: no [B, V] doubles.
-__global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const float* logits, const float* keys,
-                                                        const int32_t* ids, const SampleRowDevice* rows, int V) {
+__global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const float* logits, float* keys, int32_t* ids,
+                                                        const SampleRowDevice* rows, int V) {
   using ReduceD = cub::BlockReduce<double, kThreads>;
   using ScanD = cub::BlockScan<double, kThreads>;
   using ReduceI = cub::BlockReduce<int, kThreads>;
@@ -119,9 +235,10 @@ __global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const f
     if (tid == 0) tokens[b] = best.i;
     return;
   }
-  const float* sk = keys + size_t(b) * V;  // [V] sorted logits
-  const int32_t* si = ids + size_t(b) * V;  // [V] their ids
   const int k = row.top_k > 0 && row.top_k < V ? row.top_k : V;
+  if (select_row(row, V)) select_top_k(keys + size_t(b) * V, ids + size_t(b) * V, logits + size_t(b) * V, V, k);
+  const float* sk = keys + size_t(b) * V;  // [V] sorted logits (the first k on a select row)
+  const int32_t* si = ids + size_t(b) * V;  // [V] their ids
   const double mx = sk[0], temperature = row.temperature;
   auto weight = [&](int i) { return exp((double(sk[i]) - mx) / temperature); };  // the CPU's expression
   const int chunk = (k + kThreads - 1) / kThreads, lo = min(k, tid * chunk), hi = min(k, lo + chunk);

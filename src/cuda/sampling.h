@@ -25,9 +25,12 @@ size_t sample_tokens_scratch_bytes(int B, int V);
 
 // tokens[B] = sample_token(logits[b, V], rows[b]) for each row b.                twin: sample_token
 // Greedy rows (temperature 0 or top_k 1): the argmax, ties to the lower index, one block each.
-// Other rows: a stable segmented radix sort of (logit, id) pairs, descending (ties keep the lower
-// index first, -0 == +0 as on the CPU), then one block per row: weights in double, the nucleus cut
-// and the walk to u * total.
+// Rows with 0 < top_k <= 1024 (select rows): one block per row finds the k-th largest logit by a
+// radix select, keeps the logits above it plus the lowest-index ones equal to it (k in all, k =
+// min(top_k, V)) and sorts those k in shared memory. Other rows (top_k 0 or > 1024): a stable
+// segmented radix sort of (logit, id) pairs. Both give the same order: logit descending, ties
+// to the lower index first, -0 == +0 as on the CPU. Then, in the same block per row: weights in
+// double, the nucleus cut and the walk to u * total.
 // Not bit-exact with the CPU: the device's exp() and the block's summation order differ from
 // glibc's exp and a sequential sum by a few ulps, so a row whose u * total (or whose nucleus sum
 // against top_p) lies within ~1e-15 relative of a boundary between two candidates may pick the

@@ -822,34 +822,45 @@ bool run_sampling(const Dev<float>& logits, const std::vector<cu::SampleRowDevic
 }
 
 void check_sampling() {
-  // Rows cycle through these params and uniforms; greedy and sampled rows mix in one launch.
+  // Rows cycle through these params and uniforms; greedy rows, select rows (0 < top_k <= 1024,
+  // top_k > V included when V is small) and sort rows (top_k 0 or 1025) mix in one launch.
   auto params_for = [](int V) {
-    return std::vector<SamplingParams>{{0.f, 0, 1.f, 0},    {1.f, 1, 1.f, 0},   {1.f, 50, 1.f, 0},
-                                       {1.f, V, 1.f, 0},    {1.f, 0, 0.9f, 0},  {1.f, 0, 0.5f, 0},
-                                       {0.7f, 0, 1.f, 0},   {1.5f, 40, 0.95f, 0}, {0.7f, 0, 0.9f, 0}};
+    return std::vector<SamplingParams>{{0.f, 0, 1.f, 0},       {1.f, 1, 1.f, 0},     {1.f, 50, 1.f, 0},
+                                       {1.f, V, 1.f, 0},       {1.f, 0, 0.9f, 0},    {1.f, 0, 0.5f, 0},
+                                       {0.7f, 0, 1.f, 0},      {1.5f, 40, 0.95f, 0}, {0.7f, 0, 0.9f, 0},
+                                       {1.f, 2, 1.f, 0},       {0.8f, 40, 0.95f, 0}, {1.f, 1000, 1.f, 0},
+                                       {1.f, 1024, 0.9f, 0},   {1.f, 1025, 1.f, 0},  {2.f, 40, 1.f, 0}};
   };
   std::uniform_real_distribution<double> unif(0.0, 1.0);
   // 1 - 2^-53: the walk can end with a remainder >= 0 by rounding (the last candidate with weight).
   const std::vector<double> fixed_u = {0.0, 1e-12, 0.5, 0.999999, std::nextafter(1.0, 0.0)};
   // Logits: "randn" (N(0, 3)), "ties" (N(0, 3) rounded to quarters: many equal logits, -0 and +0
-  // among them), "equal" (all 0), "masked" (N(0, 3) with every other logit -inf: zero-probability
-  // candidates at the end of the sorted list).
-  for (const char* kind : {"randn", "ties", "equal", "masked"})
+  // among them), "few" (N(0, 1) rounded to integers: the k-th logit is tied across many ids),
+  // "zeros" (1 at 1%, +0 or -0 at 60%, -1 otherwise: the k-th logit is 0 of either sign),
+  // "inf" (-inf at 50%, else N(0, 3)), "sparse" (-inf at 99%: the k-th logit is -inf), "equal" (all 0),
+  // "masked" (N(0, 3) with every other logit -inf: zero-probability candidates end the sorted list).
+  for (const char* kind : {"randn", "ties", "few", "zeros", "inf", "sparse", "equal", "masked"})
     for (int V : {7, 1000, 8192, 151936})
       for (int B : {1, 8, 64}) {
         const bool masked = std::strcmp(kind, "masked") == 0;
         if (std::strcmp(kind, "randn") != 0 && V == 151936 && (B == 64 || (masked && B > 1))) continue;  // CPU time
         const auto params = params_for(V);
-        // B = 1: every (params, u) in its own launch; B > 1: row b takes params b % 9.
+        // B = 1: every (params, u) in its own launch; B > 1: row b takes params b % params.size().
         const int launches = B == 1 ? int(params.size() * (fixed_u.size() + 1)) : 1;
         int wrong = 0, boundary = 0, rows_checked = 0;
         bool same = true;
         std::string first_wrong;
         for (int launch = 0; launch < launches; ++launch) {
           std::vector<float> l = randn(size_t(B) * V, 3.f);
-          if (std::strcmp(kind, "ties") == 0)
-            for (float& x : l) x = std::round(x * 4.f) / 4.f;
-          if (std::strcmp(kind, "equal") == 0) std::fill(l.begin(), l.end(), 0.f);
+          const std::string k = kind;
+          for (float& x : l) {
+            const double q = unif(rng);
+            if (k == "ties") x = std::round(x * 4.f) / 4.f;
+            if (k == "few") x = std::round(x / 3.f);
+            if (k == "zeros") x = q < 0.01 ? 1.f : q < 0.31 ? 0.f : q < 0.61 ? -0.f : -1.f;
+            if ((k == "inf" && q < 0.5) || (k == "sparse" && q < 0.99)) x = -INFINITY;
+            if (k == "equal") x = 0.f;
+          }
           if (masked)
             for (size_t i = 1; i < l.size(); i += 2) l[i] = -INFINITY;
           std::vector<cu::SampleRowDevice> rows(B);
@@ -875,7 +886,7 @@ void check_sampling() {
                                 ps[b].top_k, ps[b].top_p, us[b], got[b], sample_token(row, ps[b], us[b]));
           }
         }
-        report(fmt("sample_tokens %-5s V=%d B=%d (%d rows), wrong tokens", kind, V, B, rows_checked), wrong, 0,
+        report(fmt("sample_tokens %-6s V=%d B=%d (%d rows), wrong tokens", kind, V, B, rows_checked), wrong, 0,
                fmt("boundary rows %d, two runs %s%s", boundary, same ? "identical" : "DIFFER", first_wrong.c_str()));
         if (!same) ++g_fail;
       }
@@ -903,6 +914,34 @@ void check_sampling() {
     report("sample_tokens V=1 B=2 (one sampled row, one greedy)", (got[0] != 0) + (got[1] != 0), 0,
            same ? "two runs identical" : "two runs DIFFER");
     if (!same) ++g_fail;
+  }
+  for (int B : {1, 8}) {  // timing, not a case: one launch, microseconds, V = 151936 (Qwen3's vocabulary)
+    const int V = 151936;
+    Dev<float> dl(randn(size_t(B) * V, 3.f));
+    Dev<int32_t> dt{size_t(B)};
+    const size_t bytes = cu::sample_tokens_scratch_bytes(B, V);
+    Dev<char> scratch(bytes);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::string line;
+    for (const SamplingParams& p : {SamplingParams{0.f, 0, 1.f, 0}, SamplingParams{0.8f, 40, 0.95f, 0},
+                                    SamplingParams{0.8f, 1024, 0.95f, 0}, SamplingParams{0.8f, 0, 0.95f, 0}}) {
+      Dev<cu::SampleRowDevice> dr(std::vector<cu::SampleRowDevice>(size_t(B), device_row(p, 0.5)));
+      const int iters = 20;
+      CK(cu::sample_tokens(dt.p, dl.p, dr.p, B, V, scratch.p, bytes, 0));
+      CK(cudaEventRecord(e0));
+      for (int i = 0; i < iters; ++i) CK(cu::sample_tokens(dt.p, dl.p, dr.p, B, V, scratch.p, bytes, 0));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      line += fmt("  %s %.1f us", p.temperature == 0.f ? "greedy" : p.top_k ? fmt("top_k %d", p.top_k).c_str() : "top_k 0 (sort)",
+                  ms * 1e3 / iters);
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    std::printf("timing sample_tokens V=%d B=%d per launch:%s\n", V, B, line.c_str());
   }
   {  // bad arguments: an error code, no launch
     Dev<float> dl(size_t(8) * 100);
