@@ -121,10 +121,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
       uint32_t kw[4], vw[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        kw[j] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pk[2 * j]))) |
-                uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pk[2 * j + 1]))) << 16;
-        vw[j] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pv[2 * j]))) |
-                uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(pv[2 * j + 1]))) << 16;
+        kw[j] = pack(__float2bfloat16_rn(pk[2 * j]), __float2bfloat16_rn(pk[2 * j + 1]));
+        vw[j] = pack(__float2bfloat16_rn(pv[2 * j]), __float2bfloat16_rn(pv[2 * j + 1]));
       }
       ktile[i] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
       vtile[i] = make_uint4(vw[0], vw[1], vw[2], vw[3]);

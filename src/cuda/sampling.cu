@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include <cub/block/block_reduce.cuh>
+#include <cuda/functional>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 
@@ -88,12 +89,6 @@ __global__ void mark_rows(int* begin, int* end, int32_t* ids, const SampleRowDev
   if (!greedy && i < V) ids[size_t(b) * V + i] = i;
 }
 
-struct MinOp {
-  __device__ int operator()(int a, int b) const { return a < b ? a : b; }
-};
-struct MaxOp {
-  __device__ int operator()(int a, int b) const { return a > b ? a : b; }
-};
 struct Arg {
   float v;
   int i;  // INT_MAX: none
@@ -265,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const f
       }
     }
     __syncthreads();  // tmp is reused
-    cut = ReduceI(tmp.ri).Reduce(cut, MinOp());
+    cut = ReduceI(tmp.ri).Reduce(cut, ::cuda::minimum<>{});
     if (tid == 0) shared_i = cut;
     __syncthreads();
     if (shared_i != INT_MAX) keep = shared_i + 1;
@@ -291,9 +286,9 @@ __global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const f
   for (int i = klo; i < khi; ++i)
     if (weight(i) > 0) last = i;
   __syncthreads();
-  pick = ReduceI(tmp.ri).Reduce(pick, MinOp());
+  pick = ReduceI(tmp.ri).Reduce(pick, ::cuda::minimum<>{});
   __syncthreads();  // tmp is reused
-  last = ReduceI(tmp.ri).Reduce(last, MaxOp());
+  last = ReduceI(tmp.ri).Reduce(last, ::cuda::maximum<>{});
   if (tid == 0) tokens[b] = si[pick != INT_MAX ? pick : max(last, 0)];
 }
 
