@@ -45,7 +45,7 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 template <int GM>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
-    const float* __restrict__ q, bf16* kc, bf16* vc, bf16* const* __restrict__ kcs, bf16* const* __restrict__ vcs,
+    const float* __restrict__ q, bf16* kc, bf16* vc, const int32_t* table, const int32_t* const* __restrict__ tables,
     const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
     int Dh, bool early) {
   // gridDim.x = Hkv * HG: HG blocks share a KV head, each with G of its query heads from head h0.
@@ -54,10 +54,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   const int G = H / Hkv / HG, h0 = kvh * (H / Hkv) + hg * G, L = Dh / 8, slots = 32 / L;
   const int tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
-  // With kcs (one sequence per token): token t's own cache, its one new key at pos[t], its keys
-  // split n_splits ways; else all T tokens are new keys of one sequence at pos[0] ...
-  const bool per_seq = kcs != nullptr;
-  if (per_seq) kc = kcs[t], vc = vcs[t], k_new += size_t(t) * Hkv * Dh, v_new += size_t(t) * Hkv * Dh;
+  // With tables (one sequence per token): token t's own page table, its one new key at pos[t], its
+  // keys split n_splits ways; else all T tokens are new keys of one sequence at pos[0] ...
+  const bool per_seq = tables != nullptr;
+  if (per_seq) table = tables[t], k_new += size_t(t) * Hkv * Dh, v_new += size_t(t) * Hkv * Dh;
   const int first_new = per_seq ? pos[t] : pos[0], n = pos[t] + 1;
   const int split_len = ((per_seq ? pos[t] : pos[T - 1]) + 1 + n_splits - 1) / n_splits;
   const int start = s * split_len, end = min(n, start + split_len);
@@ -68,14 +68,14 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   auto load_cached = [&](int t0, int nk) {
     const int cached = max(0, min(nk, first_new - t0));
     for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
-      const size_t off = size_t(t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
+      const size_t off = kv_row(table, t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
       cp_async16(&ktile[i], kc + off, true);
       cp_async16(&vtile[i], vc + off, true);
     }
     return cached;
   };
   // Before the wait for the previous kernel (q/k norm + RoPE): the first tile's cached rows, which
-  // no kernel of this pass writes (pos, and with kcs the cache pointers, were copied before the
+  // no kernel of this pass writes (pos and the page tables were copied before the
   // pass's first kernel), so under programmatic launch they load while that kernel runs.
   const int first_cached = early && start < end ? load_cached(start, min(tile, end - start)) : -1;
   pdl_wait();
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   if (hg == 0 && pos[t] >= start && pos[t] < start + split_len)
     for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
       const size_t src = size_t(pos[t] - first_new) * row + size_t(kvh) * Dh + i;
-      const size_t dst = size_t(pos[t]) * row + size_t(kvh) * Dh + i;
+      const size_t dst = kv_row(table, pos[t]) * row + size_t(kvh) * Dh + i;
       reinterpret_cast<__nv_bfloat16*>(kc)[dst] = __float2bfloat16_rn(k_new[src]);
       reinterpret_cast<__nv_bfloat16*>(vc)[dst] = __float2bfloat16_rn(v_new[src]);
     }
@@ -288,34 +288,36 @@ int head_groups(int G, int blocks) {
   return hg;
 }
 
-cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, bf16* const* kcs, bf16* const* vcs,
-                                    const float* k_new, const float* v_new, const int32_t* pos, int T, int H, int Hkv,
-                                    int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s) {
+cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const int32_t* table,
+                                    const int32_t* const* tables, const float* k_new, const float* v_new,
+                                    const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
+                                    unsigned* counters, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
   const int HG = g_attention_early ? head_groups(H / Hkv, Hkv * n_splits * T) : 1, G = H / Hkv / HG;
   const dim3 grid(Hkv * HG, n_splits, T);
   const int threads = kWarpsPerBlock * 32;
   auto* kernel = G == 1 ? attention_decode_kernel<1>
                         : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
-  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, kcs, vcs, k_new, v_new, pos, H, Hkv, Dh,
-                g_attention_early);
+  return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, table, tables, k_new, v_new, pos, H,
+                Hkv, Dh, g_attention_early);
 }
 }  // namespace
 
-cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
+cudaError_t attention_decode(float* out, const float* q, KvPages kv, const float* k_new, const float* v_new,
                              const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                              unsigned* counters, cudaStream_t s) {
-  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || T > kGemvMaxT) return cudaErrorInvalidValue;
-  return launch_attention_decode(out, q, kc, vc, nullptr, nullptr, k_new, v_new, pos, T, H, Hkv, Dh, n_splits, partial,
-                                 counters, s);
+  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || T > kGemvMaxT || !kv.table)
+    return cudaErrorInvalidValue;
+  return launch_attention_decode(out, q, kv.k, kv.v, kv.table, nullptr, k_new, v_new, pos, T, H, Hkv, Dh, n_splits,
+                                 partial, counters, s);
 }
 
-cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs, bf16* const* vcs, const float* k_new,
-                                   const float* v_new, const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits,
-                                   float* partial, unsigned* counters, cudaStream_t s) {
-  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || B < 0 || B > 65535 || !kcs || !vcs)
+cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf16* v_pool, const int32_t* const* tables,
+                                   const float* k_new, const float* v_new, const int32_t* pos, int B, int H, int Hkv,
+                                   int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s) {
+  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || B < 0 || B > 65535 || !tables)
     return cudaErrorInvalidValue;
-  return launch_attention_decode(out, q, nullptr, nullptr, kcs, vcs, k_new, v_new, pos, B, H, Hkv, Dh, n_splits,
+  return launch_attention_decode(out, q, k_pool, v_pool, nullptr, tables, k_new, v_new, pos, B, H, Hkv, Dh, n_splits,
                                  partial, counters, s);
 }
 

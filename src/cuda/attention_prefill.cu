@@ -63,9 +63,8 @@ __device__ __forceinline__ float split_pair(float x, float y, uint32_t& hi, uint
 // Block row r = token t0 + r / G, head kvh * G + r % G (rows past the block's tokens: padding).
 template <int DH, bool SPLIT_P>
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
-    float* __restrict__ out, const float* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
-    const __nv_bfloat16* __restrict__ vc, const int32_t* __restrict__ pos, int T, int H, int Hkv, int G,
-    float scale_log2) {
+    float* __restrict__ out, const float* __restrict__ q, KvPages kv, const int32_t* __restrict__ pos, int T, int H,
+    int Hkv, int G, float scale_log2) {
   constexpr int LD = smem_ld(DH), KC = DH / 16, NT = kTileK / 8, DT = DH / 8, NG = kGroupN;
   static_assert(DT % NG == 0 && NG % 2 == 0);
   extern __shared__ __align__(16) __nv_bfloat16 smem[];
@@ -104,9 +103,9 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     const int k0 = tile * kTileK;
     for (int i = threadIdx.x; i < kTileK * DH / 8; i += kThreads) {
       const int r = i / (DH / 8), c = (i % (DH / 8)) * 8, key = k0 + r;
-      const size_t off = (size_t(min(key, n_keys - 1)) * Hkv + kvh) * DH + c;
-      cp_async16(ks + (stage * kTileK + r) * LD + c, kc + off, key < n_keys);
-      cp_async16(vs + (stage * kTileK + r) * LD + c, vc + off, key < n_keys);
+      const size_t off = (kv_row(kv.table, min(key, n_keys - 1)) * Hkv + kvh) * DH + c;
+      cp_async16(ks + (stage * kTileK + r) * LD + c, kv.k + off, key < n_keys);
+      cp_async16(vs + (stage * kTileK + r) * LD + c, kv.v + off, key < n_keys);
     }
     cp_async_commit();
   };
@@ -214,8 +213,8 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
 }
 
 template <int DH, bool SPLIT_P>
-cudaError_t launch_prefill(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T,
-                           int H, int Hkv, cudaStream_t s) {
+cudaError_t launch_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv,
+                           cudaStream_t s) {
   // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
   static const cudaError_t opt_in = cudaFuncSetAttribute(
       attention_prefill_kernel<DH, SPLIT_P>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
@@ -223,8 +222,7 @@ cudaError_t launch_prefill(float* out, const float* q, const bf16* kc, const bf1
   const int G = H / Hkv, TQ = kRows / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
   attention_prefill_kernel<DH, SPLIT_P><<<dim3((T + TQ - 1) / TQ, Hkv), kThreads, smem_bytes(DH), s>>>(
-      out, q, reinterpret_cast<const __nv_bfloat16*>(kc), reinterpret_cast<const __nv_bfloat16*>(vc), pos, T, H, Hkv,
-      G, scale_log2);
+      out, q, kv, pos, T, H, Hkv, G, scale_log2);
   return cudaGetLastError();
 }
 
@@ -234,15 +232,15 @@ bool attention_prefill_supported(int H, int Hkv, int Dh) {
   return Hkv > 0 && H % Hkv == 0 && H / Hkv <= kPrefillMaxG && (Dh == 64 || Dh == 128);
 }
 
-cudaError_t attention_prefill(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T,
-                              int H, int Hkv, int Dh, bool split_p, cudaStream_t s) {
+cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
+                              bool split_p, cudaStream_t s) {
   if (!attention_prefill_supported(H, Hkv, Dh) || T < 0) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   if (Dh == 64)
-    return split_p ? launch_prefill<64, true>(out, q, kc, vc, pos, T, H, Hkv, s)
-                   : launch_prefill<64, false>(out, q, kc, vc, pos, T, H, Hkv, s);
-  return split_p ? launch_prefill<128, true>(out, q, kc, vc, pos, T, H, Hkv, s)
-                 : launch_prefill<128, false>(out, q, kc, vc, pos, T, H, Hkv, s);
+    return split_p ? launch_prefill<64, true>(out, q, kv, pos, T, H, Hkv, s)
+                   : launch_prefill<64, false>(out, q, kv, pos, T, H, Hkv, s);
+  return split_p ? launch_prefill<128, true>(out, q, kv, pos, T, H, Hkv, s)
+                 : launch_prefill<128, false>(out, q, kv, pos, T, H, Hkv, s);
 }
 
 }  // namespace tiermoe::cuda

@@ -7,7 +7,8 @@
 // before its logits (or, through forward_sample, its sampled ids) are copied back: token id and
 // position go to the device first, the router's top-k ids and weights stay in device memory where
 // the expert kernels read them, and the whole step is captured once as a CUDA graph and replayed
-// (re-captured only when the KV buffer or the attention split count changes).
+// (re-captured only when the attention split count changes). The KV cache is paged: one pool for all
+// sequences, allocated once, a page table per sequence (kernels.h, KvPages).
 #include "cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <span>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -87,42 +89,87 @@ struct DLayer {
 // n_splits, Dh + 2] scratch only it uses.
 struct PromptAttention {
   bool flash = true, split_p = true;
-  void operator()(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
-                  int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s) const {
+  void operator()(float* out, const float* q, cuda::KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
+                  int n_splits, int split_len, float* partial, cudaStream_t s) const {
     if (flash && cuda::attention_prefill_supported(H, Hkv, Dh))
-      CUDA_CK(cuda::attention_prefill(out, q, kc, vc, pos, T, H, Hkv, Dh, split_p, s));
+      CUDA_CK(cuda::attention_prefill(out, q, kv, pos, T, H, Hkv, Dh, split_p, s));
     else
-      CUDA_CK(cuda::attention(out, q, kc, vc, pos, T, H, Hkv, Dh, n_splits, split_len, partial, s));
+      CUDA_CK(cuda::attention(out, q, kv, pos, T, H, Hkv, Dh, n_splits, split_len, partial, s));
   }
 };
 
 // ---------------------------------------------------------------------------------------------
-// The GPU KV cache: per layer, rows [capacity, Hkv, Dh] of BF16 for K and for V.
-class CudaKvCache final : public KvCache {
+// The KV pages of every sequence (kernels.h, KvPages): K and V [layers, pages, kKvPageRows, Hkv,
+// Dh] BF16, allocated once, so that captured steps keep their pointers while sequences come, grow
+// and go; pages are handed out and taken back on the host.
+class KvPagePool {
  public:
-  CudaKvCache(const KvGeometry& g, int capacity, int max_capacity, cudaStream_t s, PromptAttention attention)
-      : g_(g), row_(size_t(g.num_kv_heads) * g.head_dim), max_cap_(max_capacity), stream_(s), attention_(attention),
-        lens_(g.num_layers, 0), appended_(g.num_layers, 0) {
-    grow(std::min(capacity, max_capacity));
+  KvPagePool(int layers, size_t row, int pages) : row_(row), pages_(pages) {
+    const size_t n = size_t(layers) * pages * cuda::kKvPageRows * row;
+    if (cudaMalloc(&k_, n * 2) != cudaSuccess || cudaMalloc(&v_, n * 2) != cudaSuccess) {
+      cudaFree(k_);  // the first may have succeeded
+      cudaGetLastError();
+      throw InputError("KV cache: cannot allocate " + std::to_string(2 * n * 2 >> 20) + " MiB of GPU memory for " +
+                       std::to_string(pages) + " pages");
+    }
+    for (int p = pages - 1; p >= 0; --p) free_.push_back(p);
   }
-  ~CudaKvCache() override {
+  ~KvPagePool() {
     cudaFree(k_);
     cudaFree(v_);
+  }
+  KvPagePool(const KvPagePool&) = delete;
+  KvPagePool& operator=(const KvPagePool&) = delete;
+
+  bf16* k(int layer) const { return k_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
+  bf16* v(int layer) const { return v_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
+  int free_pages() const { return int(free_.size()); }
+  // n more pages, or an error naming the pool's size (and nothing taken).
+  void take(int n, std::vector<int32_t>& into) {
+    if (n > free_pages())
+      throw InputError("KV cache: the GPU page pool is full (" + std::to_string(pages_ - free_pages()) + " of " +
+                       std::to_string(pages_) + " pages of " + std::to_string(cuda::kKvPageRows) +
+                       " tokens in use, " + std::to_string(n) + " more needed); finish or drop a sequence, or give " +
+                       "the pool more memory (CudaBackendOptions::kv_cache_bytes)");
+    for (int i = 0; i < n; ++i, free_.pop_back()) into.push_back(free_.back());
+  }
+  void give(std::span<const int32_t> pages) { free_.insert(free_.end(), pages.begin(), pages.end()); }
+
+ private:
+  size_t row_;
+  int pages_;
+  bf16 *k_ = nullptr, *v_ = nullptr;
+  std::vector<int32_t> free_;
+};
+
+// One sequence's cache: its pages in the pool, its page table on the device (sized for the model's
+// context, so its address never changes while the sequence grows).
+class CudaKvCache final : public KvCache {
+ public:
+  CudaKvCache(const KvGeometry& g, KvPagePool& pool, int max_capacity, cudaStream_t s, PromptAttention attention)
+      : g_(g), row_(size_t(g.num_kv_heads) * g.head_dim), max_cap_(max_capacity), pool_(pool), stream_(s),
+        attention_(attention), lens_(g.num_layers, 0), appended_(g.num_layers, 0) {
+    const size_t entries = size_t(max_capacity + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
+    CUDA_CK(cudaMalloc(&table_, entries * 4));
+  }
+  ~CudaKvCache() override {
+    pool_.give(pages_);
+    cudaFree(table_);
     cudaFree(pos_);
     cudaFree(partial_);
   }
 
-  bf16* k(int layer) const { return k_ + size_t(layer) * cap_ * row_; }
-  bf16* v(int layer) const { return v_ + size_t(layer) * cap_ * row_; }
-  int capacity() const { return cap_; }
+  cuda::KvPages kv(int layer) const { return {pool_.k(layer), pool_.v(layer), table_}; }
+  const int32_t* table() const { return table_; }
 
-  // Makes room for n rows; may allocate and synchronize (never called inside a captured step).
+  // Pages for n rows; may copy to the device (never called inside a captured step).
   void reserve(int n) {
     if (n > max_cap_) throw InputError("KV cache: " + std::to_string(n) + " tokens exceed the context of " + std::to_string(max_cap_));
-    if (n <= cap_) return;
-    int c = cap_;
-    while (c < n) c = std::min(max_cap_, c * 2);
-    grow(c);
+    const size_t have = pages_.size(), need = size_t(n + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
+    if (need <= have) return;
+    pool_.take(int(need - have), pages_);
+    // From pageable memory: returns once the entries are staged, so pages_ may change after.
+    CUDA_CK(cudaMemcpyAsync(table_ + have, pages_.data() + have, (need - have) * 4, cudaMemcpyHostToDevice, stream_));
   }
   void advance(int T) {
     for (int l = 0; l < g_.num_layers; ++l) {
@@ -135,7 +182,7 @@ class CudaKvCache final : public KvCache {
   void append(int layer, const float* k, const float* v, int T) override {
     reserve(lens_[layer] + T);
     upload_positions(lens_[layer], T);
-    CUDA_CK(cuda::kv_append(this->k(layer), this->v(layer), k, v, pos_, T, int(row_), stream_));
+    CUDA_CK(cuda::kv_append(kv(layer), k, v, pos_, T, int(row_), stream_));
     lens_[layer] += T;
     appended_[layer] = T;
   }
@@ -149,41 +196,27 @@ class CudaKvCache final : public KvCache {
       CUDA_CK(cudaMalloc(&partial_, need * sizeof(float)));
       partial_n_ = need;
     }
-    attention_(out, q, this->k(layer), this->v(layer), pos_, T, g_.num_heads, g_.num_kv_heads, g_.head_dim, n_splits,
-               split, partial_, stream_);
+    attention_(out, q, kv(layer), pos_, T, g_.num_heads, g_.num_kv_heads, g_.head_dim, n_splits, split, partial_,
+               stream_);
     CUDA_CK(cudaStreamSynchronize(stream_));
   }
   int length() const override { return lens_.empty() ? 0 : lens_.back(); }
+  // Pages past n go back to the pool (the device table's stale entries past n are never read).
   void truncate(int n) override {
     for (int l = 0; l < g_.num_layers; ++l) {
       CHECK(n <= lens_[l]);
       lens_[l] = n;
       appended_[l] = 0;
     }
+    const size_t keep = size_t(n + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
+    if (keep < pages_.size()) {
+      pool_.give(std::span(pages_).subspan(keep));
+      pages_.resize(keep);
+    }
   }
   size_t bytes() const override { return size_t(length()) * row_ * 2 * 2 * size_t(g_.num_layers); }
 
  private:
-  void grow(int c) {
-    bf16 *nk = nullptr, *nv = nullptr;
-    const size_t n = size_t(g_.num_layers) * c * row_;
-    if (cudaMalloc(&nk, n * 2) != cudaSuccess || cudaMalloc(&nv, n * 2) != cudaSuccess) {
-      cudaFree(nk);  // the first may have succeeded
-      cudaGetLastError();
-      throw InputError("KV cache: cannot allocate " + std::to_string(2 * n * 2 >> 20) + " MiB of GPU memory");
-    }
-    for (int l = 0; l < g_.num_layers && k_; ++l) {
-      const size_t rows = size_t(std::min(lens_[l], cap_)) * row_ * 2;
-      CUDA_CK(cudaMemcpyAsync(nk + size_t(l) * c * row_, k(l), rows, cudaMemcpyDeviceToDevice, stream_));
-      CUDA_CK(cudaMemcpyAsync(nv + size_t(l) * c * row_, v(l), rows, cudaMemcpyDeviceToDevice, stream_));
-    }
-    CUDA_CK(cudaStreamSynchronize(stream_));
-    cudaFree(k_);
-    cudaFree(v_);
-    k_ = nk;
-    v_ = nv;
-    cap_ = c;
-  }
   void upload_positions(int first, int T) {
     if (T > pos_n_) {
       cudaFree(pos_);
@@ -198,10 +231,12 @@ class CudaKvCache final : public KvCache {
 
   KvGeometry g_;
   size_t row_;
-  int max_cap_, cap_ = 0;
+  int max_cap_;
+  KvPagePool& pool_;
   cudaStream_t stream_;
   PromptAttention attention_;
-  bf16 *k_ = nullptr, *v_ = nullptr;
+  std::vector<int32_t> pages_;  // the page of rows [i * kKvPageRows, (i + 1) * kKvPageRows)
+  int32_t* table_ = nullptr;    // pages_ on the device
   std::vector<int> lens_, appended_;
   int32_t* pos_ = nullptr;  // for the interface's append/attend only
   int pos_n_ = 0;
@@ -245,7 +280,7 @@ class CudaBackend final : public Backend {
     cudaFreeHost(h_ids_);
     cudaFreeHost(h_pos_);
     cudaFreeHost(h_logits_);
-    cudaFreeHost(h_kv_ptrs_);
+    cudaFreeHost(h_tables_);
     cudaFreeHost(h_sample_rows_);
     cudaFreeHost(h_tokens_);
     cublasDestroy(blas_);
@@ -255,10 +290,11 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   int vocab_size() const override { return cfg_.vocab_size; }
 
+  // The first cache allocates the page pool (after the weights, so that auto-sizing sees what they left).
   std::unique_ptr<KvCache> new_cache() const override {
-    const int max_ctx = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20;
+    if (!pool_) pool_ = std::make_unique<KvPagePool>(cfg_.num_layers, size_t(cfg_.num_kv_heads) * cfg_.head_dim, pool_pages());
     return std::make_unique<CudaKvCache>(KvGeometry{cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim},
-                                         opts_.initial_ctx, max_ctx, stream_, prompt_attention_);
+                                         *pool_, max_context(), stream_, prompt_attention_);
   }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
@@ -369,10 +405,10 @@ class CudaBackend final : public Backend {
   float* moe_y_ = nullptr;  // grouped / expert-GEMM down projection, [(t, k) rows, D]
   int32_t *moe_rows_ = nullptr, *moe_tiles_ = nullptr;  // moe_sort's output for prompt chunks
   // One attention launch for B sequences of one token each (TIERMOE_CUDA_BATCH_ATTN=0: one per
-  // sequence): their caches' rows, per layer [K pointers of the B sequences, V pointers], on the
-  // device and pinned on the host; the split count of the pass (0: attention per piece).
+  // sequence): their page tables [B], on the device and pinned on the host; the split count of the
+  // pass (0: attention per piece).
   bool batch_attention_ = kDefaultBatchAttention;
-  bf16 **kv_ptrs_ = nullptr, **h_kv_ptrs_ = nullptr;
+  const int32_t **tables_ = nullptr, **h_tables_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
@@ -388,14 +424,19 @@ class CudaBackend final : public Backend {
   void* sample_scratch_ = nullptr;
   size_t sample_scratch_bytes_ = 0;
   static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
+  mutable std::unique_ptr<KvPagePool> pool_;  // at the first new_cache()
 
-  // Captured decode steps. Batch 1: one per (KV buffers, capacity, attention split count, logits
-  // wanted), so a sequence that grows through several split counts, or a cache emptied and
-  // refilled, replays graphs captured before. A batch of B sequences (one token each) reads its
-  // caches through kv_ptrs_, so its key is (B, split count, logits wanted) alone.
+  int max_context() const { return cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20; }
+  int pool_pages() const;
+
+  // Captured decode steps. Batch 1: one per (page table, attention split count, logits wanted), so
+  // a sequence that grows through several split counts replays graphs captured before (a new cache
+  // whose table reuses a freed address may replay them too: the table's entries are read at run
+  // time). A batch of B sequences (one token each) reads its page tables through tables_, so its
+  // key is (B, split count, logits wanted) alone.
   struct GraphKey {
-    const void *k = nullptr, *v = nullptr;  // both: a new cache may reuse a freed K address only
-    int cap = 0, n_splits = 0, n_logits = 0, batch = 1;
+    const void* table = nullptr;
+    int n_splits = 0, n_logits = 0, batch = 1;
     auto operator<=>(const GraphKey&) const = default;
   };
   std::map<GraphKey, cudaGraphExec_t> graphs_;
@@ -424,6 +465,26 @@ void CudaBackend::read_switches() {
   moe_mode_ = mode;
   grouped_min_t_ = grouped_min_t;
   batch_attention_ = batch_attention;
+}
+
+// The page pool's size: kv_cache_bytes when given, else the GPU memory free once the weights and
+// workspace are in, less a reserve of max(4 GiB, 5%) (cuBLAS workspaces, graphs, the benchmark's
+// copy-bandwidth buffers); at most 256 sequences of the full context.
+int CudaBackend::pool_pages() const {
+  const size_t page_bytes = size_t(2 * 2) * cfg_.num_layers * cuda::kKvPageRows * cfg_.num_kv_heads * cfg_.head_dim;
+  size_t bytes = opts_.kv_cache_bytes;
+  if (bytes == 0) {
+    size_t free_b = 0, total_b = 0;
+    CUDA_CK(cudaMemGetInfo(&free_b, &total_b));
+    const size_t reserve = std::max(size_t(4) << 30, total_b / 20);
+    bytes = free_b > reserve ? free_b - reserve : 0;
+  }
+  const size_t per_seq = (size_t(max_context()) + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
+  const size_t pages = std::min({bytes / page_bytes, per_seq * 256, size_t(INT32_MAX)});
+  if (pages == 0)
+    throw InputError("KV cache: no GPU memory for one page of " + std::to_string(cuda::kKvPageRows) + " tokens (" +
+                     std::to_string(page_bytes >> 10) + " KiB)");
+  return int(pages);
 }
 
 void CudaBackend::alloc_workspace() {
@@ -467,8 +528,8 @@ void CudaBackend::alloc_workspace() {
   const size_t n_counters = size_t(std::max(Tm, cuda::kGemvMaxT)) * H;  // (token, block of a KV head): H at most
   split_counters_ = dalloc<unsigned>(owned_, n_counters);
   CUDA_CK(cudaMemset(split_counters_, 0, n_counters * sizeof(unsigned)));
-  kv_ptrs_ = dalloc<bf16*>(owned_, size_t(cfg_.num_layers) * 2 * Tm);
-  CUDA_CK(cudaMallocHost(&h_kv_ptrs_, size_t(cfg_.num_layers) * 2 * Tm * sizeof(bf16*)));
+  tables_ = dalloc<const int32_t*>(owned_, size_t(Tm));
+  CUDA_CK(cudaMallocHost(&h_tables_, size_t(Tm) * sizeof(const int32_t*)));
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
   CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
@@ -683,19 +744,19 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                                cfg_.rope_theta, stream_));
     const size_t B = pieces.size();
     if (batch_splits_ > 0) {  // B sequences, one token each: one launch
-      CUDA_CK(cuda::attention_decode_batch(att_, q_, kv_ptrs_ + l * 2 * B, kv_ptrs_ + (l * 2 + 1) * B, k_, v_, pos_,
+      CUDA_CK(cuda::attention_decode_batch(att_, q_, pool_->k(l), pool_->v(l), tables_, k_, v_, pos_,
                                            int(B), H, Hkv, Dh, batch_splits_, partial_, split_counters_, stream_));
     } else for (size_t t = 0; const Piece& p : pieces) {
       if (p.n <= cuda::kGemvMaxT && decode_attention_) {  // append + attention + combine in one launch
-        CUDA_CK(cuda::attention_decode(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l),
+        CUDA_CK(cuda::attention_decode(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->kv(l),
                                        k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n, H, Hkv, Dh, p.n_splits,
                                        partial_, split_counters_, stream_));
         t += size_t(p.n);
         continue;
       }
-      CUDA_CK(cuda::kv_append(p.cache->k(l), p.cache->v(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n,
+      CUDA_CK(cuda::kv_append(p.cache->kv(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n,
                               Hkv * Dh, stream_));
-      prompt_attention_(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->k(l), p.cache->v(l), pos_ + t, p.n, H, Hkv, Dh,
+      prompt_attention_(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->kv(l), pos_ + t, p.n, H, Hkv, Dh,
                         p.n_splits, p.split_len, partial_, stream_);
       t += size_t(p.n);
     }
@@ -771,7 +832,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
       h_pos_[T + i] = len + i;
     }
     Piece p{cache, n, s.n_logits, 0, kDecodeSplit};
-    const int keys = len + n, max_splits = (cache->capacity() + kDecodeSplit - 1) / kDecodeSplit;
+    const int keys = len + n, max_splits = (max_context() + kDecodeSplit - 1) / kDecodeSplit;
     if (n <= cuda::kGemvMaxT && decode_attention_) {
       // attention_decode() balances the keys over n_splits itself, so a captured step stays valid
       // while n_splits does: a power of two up to 1024 keys (splits of 32-64 keys), then 8 more
@@ -803,12 +864,8 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     for (const Piece& p : pieces) splits = std::max(splits, p.n_splits);
     if (size_t(B) * cfg_.num_heads * splits * (cfg_.head_dim + 2) <= partial_cap_) {
       batch_splits_ = splits;
-      for (int l = 0; l < cfg_.num_layers; ++l)
-        for (int b = 0; b < B; ++b) {
-          h_kv_ptrs_[(size_t(l) * 2) * B + b] = pieces[b].cache->k(l);
-          h_kv_ptrs_[(size_t(l) * 2 + 1) * B + b] = pieces[b].cache->v(l);
-        }
-      CUDA_CK(cudaMemcpyAsync(kv_ptrs_, h_kv_ptrs_, size_t(cfg_.num_layers) * 2 * B * sizeof(bf16*),
+      for (int b = 0; b < B; ++b) h_tables_[b] = pieces[b].cache->table();
+      CUDA_CK(cudaMemcpyAsync(tables_, h_tables_, size_t(B) * sizeof(const int32_t*),
                               cudaMemcpyHostToDevice, stream_));
     }
   }
@@ -817,8 +874,8 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
   // launch) run as captured graphs; a batch key is captured only once it has been seen before,
   // so one-off batch sizes stay eager (and cuBLAS has run eagerly before any capture).
   const bool decode_batch = B > 1 && batch_splits_ > 0 && n_logits == B;
-  GraphKey key{nullptr, nullptr, 0, batch_splits_, n_logits, B};
-  if (B == 1) key = {pieces[0].cache->k(0), pieces[0].cache->v(0), pieces[0].cache->capacity(), pieces[0].n_splits, n_logits};
+  GraphKey key{nullptr, batch_splits_, n_logits, B};
+  if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits};
   bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
   if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;
   if (graph) {

@@ -11,7 +11,9 @@ namespace tiermoe {
 
 struct CudaBackendOptions {
   int max_chunk = 512;       // tokens per pass through the layers
-  int initial_ctx = 8192;    // KV rows a new cache reserves (grows by doubling, never in a decode step)
+  // The paged KV cache's pool, shared by all sequences, allocated at the first new_cache(): 0 =
+  // the GPU memory then free less a reserve of max(4 GiB, 5%), at most 256 full-context sequences.
+  size_t kv_cache_bytes = 0;
   bool use_graphs = true;    // capture decode steps (batch 1, and batches of one token each) as CUDA graphs
   // Prompt chunks (> 8 tokens) go through BF16 tensor-core GEMMs; with split_activations each
   // activation enters as two BF16 parts (hi + lo), which keeps FP32-level products like the GEMV
@@ -42,7 +44,8 @@ double cuda_copy_bandwidth();
 // A human-readable name of the GPU, e.g. "NVIDIA H200".
 std::string cuda_device_name();
 
-// The KV cache a CUDA backend hands out stores BF16 rows on the GPU. Its KvCache::append and
-// KvCache::attend take DEVICE pointers (k, v, q and out all in GPU memory), unlike the CPU cache.
+// The KV cache a CUDA backend hands out stores BF16 rows in pages of the backend's pool on the GPU
+// (a full pool is an InputError naming it). Its KvCache::append and KvCache::attend take DEVICE
+// pointers (k, v, q and out all in GPU memory), unlike the CPU cache.
 
 }  // namespace tiermoe

@@ -1,10 +1,13 @@
 // Small device helpers shared by the kernel files: BF16 unpacking, 16-byte weight loads, warp
-// reductions, SiLU; cp.async, ldmatrix and mma.sync m16n8k16 wrappers for the tensor-core kernels.
+// reductions, SiLU; cp.async, ldmatrix and mma.sync m16n8k16 wrappers for the tensor-core kernels;
+// paged KV row addressing.
 #pragma once
 #include <cstdint>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include "cuda/kernels.h"
 
 namespace tiermoe::cuda {
 
@@ -89,6 +92,11 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 __device__ __forceinline__ uint32_t pack(__nv_bfloat16 lo_half, __nv_bfloat16 hi_half) {
   return uint32_t(__bfloat16_as_ushort(lo_half)) | uint32_t(__bfloat16_as_ushort(hi_half)) << 16;
+}
+
+// Row pos of a paged KV cache (kernels.h, KvPages): its row index in the layer's pool.
+__device__ __forceinline__ size_t kv_row(const int32_t* table, int pos) {
+  return size_t(__ldg(table + pos / kKvPageRows)) * kKvPageRows + pos % kKvPageRows;
 }
 
 }  // namespace tiermoe::cuda

@@ -496,13 +496,12 @@ __global__ void __launch_bounds__(kWarps * 32, 4) moe_down_kernel(float* __restr
   }
 }
 
-__global__ void kv_append_kernel(__nv_bfloat16* kc, __nv_bfloat16* vc, const float* k, const float* v,
-                                 const int32_t* pos, int row) {
+__global__ void kv_append_kernel(KvPages kv, const float* k, const float* v, const int32_t* pos, int row) {
   const int t = blockIdx.x;
-  const size_t dst = size_t(pos[t]) * row, src = size_t(t) * row;
+  const size_t dst = kv_row(kv.table, pos[t]) * row, src = size_t(t) * row;
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
-    kc[dst + i] = __float2bfloat16_rn(k[src + i]);
-    vc[dst + i] = __float2bfloat16_rn(v[src + i]);
+    reinterpret_cast<__nv_bfloat16*>(kv.k)[dst + i] = __float2bfloat16_rn(k[src + i]);
+    reinterpret_cast<__nv_bfloat16*>(kv.v)[dst + i] = __float2bfloat16_rn(v[src + i]);
   }
 }
 
@@ -513,8 +512,8 @@ constexpr int kAttnJ = kAttnMaxDh / 32;
 // online softmax; lane holds dims lane, lane+32, ...; the warps merge in shared memory and the
 // block writes (max, sum, unnormalized acc[Dh]) for its split.
 __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
-    float* __restrict__ partial, const float* __restrict__ q, const bf16* __restrict__ kc,
-    const bf16* __restrict__ vc, const int32_t* __restrict__ pos, int H, int Hkv, int Dh, int split_len) {
+    float* __restrict__ partial, const float* __restrict__ q, KvPages kv, const int32_t* __restrict__ pos, int H,
+    int Hkv, int Dh, int split_len) {
   const int h = blockIdx.x, s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int n = pos[t] + 1, kvh = h / (H / Hkv);
@@ -531,8 +530,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   }
   float m = -INFINITY, l = 0.f;
   for (int key = start + w; key < end; key += kAttnWarps) {
-    const bf16* kp = kc + size_t(key) * stride + size_t(kvh) * Dh;
-    const bf16* vp = vc + size_t(key) * stride + size_t(kvh) * Dh;
+    const size_t off = kv_row(kv.table, key) * stride + size_t(kvh) * Dh;
+    const bf16 *kp = kv.k + off, *vp = kv.v + off;
     float sc = 0.f;
 #pragma unroll
     for (int j = 0; j < kAttnJ; ++j) {
@@ -772,20 +771,17 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
   return launch(moe_down_kernel, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F, R);
 }
 
-cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,
-                      cudaStream_t s) {
+cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  kv_append_kernel<<<T, 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(kc), reinterpret_cast<__nv_bfloat16*>(vc), k,
-                                     v, pos, row);
+  kv_append_kernel<<<T, 256, 0, s>>>(kv, k, v, pos, row);
   return cudaGetLastError();
 }
 
-cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
-                      int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s) {
+cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
+                      int n_splits, int split_len, float* partial, cudaStream_t s) {
   if (Dh > kAttnMaxDh || H % Hkv != 0 || n_splits < 1) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  attention_split_kernel<<<dim3(H, n_splits, T), kAttnWarps * 32, 0, s>>>(partial, q, kc, vc, pos, H, Hkv, Dh,
-                                                                          split_len);
+  attention_split_kernel<<<dim3(H, n_splits, T), kAttnWarps * 32, 0, s>>>(partial, q, kv, pos, H, Hkv, Dh, split_len);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   attention_combine_kernel<<<T * H, Dh < 128 ? 32 : 128, 0, s>>>(out, partial, n_splits, Dh);

@@ -126,16 +126,26 @@ cudaError_t moe_expert_gemm_bf16(float* out, const bf16* in_hi, const bf16* in_l
                                  const int32_t* rows, const int32_t* tile_expert, int TK, int E, int N, int Kd,
                                  cudaStream_t s);
 
-// KV cache rows [capacity, Hkv, Dh] in BF16: row pos[t] <- k[t], v[t] (row = Hkv*Dh values).
-cudaError_t kv_append(bf16* kc, bf16* vc, const float* k, const float* v, const int32_t* pos, int T, int row,
-                      cudaStream_t s);
+// The paged KV cache. Per layer one pool of pages for all sequences, K and V each [pages,
+// kKvPageRows, Hkv, Dh] BF16; a sequence's page table maps its row pos to pool row
+// table[pos / kKvPageRows] * kKvPageRows + pos % kKvPageRows. One page holds one tile of the
+// attention kernels at Dh 128.
+constexpr int kKvPageRows = 64;
+struct KvPages {  // one sequence in one layer's pool
+  bf16* k = nullptr;               // the layer's K pool
+  bf16* v = nullptr;               // its V pool
+  const int32_t* table = nullptr;  // the sequence's page table, DEVICE memory
+};
+
+// KV cache row pos[t] <- k[t], v[t] in BF16 (row = Hkv*Dh values).
+cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s);
 
 // Causal GQA attention, split over keys: query t (head h) sees cache rows 0 .. pos[t].
 // q[T, H, Dh] -> out[T, H, Dh]. Keys are cut into n_splits chunks of split_len (n_splits *
 // split_len must cover max(pos) + 1); partial[T, H, n_splits, Dh + 2] is scratch.
 //                                                                twin: attention_causal
-cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T, int H,
-                      int Hkv, int Dh, int n_splits, int split_len, float* partial, cudaStream_t s);
+cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
+                      int n_splits, int split_len, float* partial, cudaStream_t s);
 
 // Prompt attention on the tensor cores (attention_prefill.cu), flash-style: the function of
 // attention() for T queries at non-decreasing positions pos[T], query t over cache rows 0 .. pos[t]
@@ -146,8 +156,8 @@ cudaError_t attention(float* out, const float* q, const bf16* kc, const bf16* vc
 // 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere attention() is the fallback.  twin: attention_causal
 constexpr int kPrefillMaxG = 8;
 bool attention_prefill_supported(int H, int Hkv, int Dh);
-cudaError_t attention_prefill(float* out, const float* q, const bf16* kc, const bf16* vc, const int32_t* pos, int T,
-                              int H, int Hkv, int Dh, bool split_p, cudaStream_t s);
+cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
+                              bool split_p, cudaStream_t s);
 
 // Decode attention in one launch (attention_decode.cu), for T <= kGemvMaxT new tokens of one
 // sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]
@@ -155,18 +165,18 @@ cudaError_t attention_prefill(float* out, const float* q, const bf16* kc, const 
 // keys into n_splits equal splits, and merges them. partial[T, H, n_splits, Dh + 2] is scratch;
 // counters[T * H] must be zero before the first launch and are left zero. Under programmatic
 // launch the first tile of cached rows (before pos[0]) is read before the wait for the previous
-// kernel: that kernel must not write them (nor pos, kcs, vcs).   twin: kv_append + attention_causal
-cudaError_t attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const float* k_new, const float* v_new,
+// kernel: that kernel must not write them (nor pos, nor the page tables).   twin: kv_append + attention_causal
+cudaError_t attention_decode(float* out, const float* q, KvPages kv, const float* k_new, const float* v_new,
                              const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                              unsigned* counters, cudaStream_t s);
-// The same for B sequences with one new token each, in one launch: token b's cache rows are
-// kcs[b] / vcs[b] (DEVICE arrays of B device pointers), its position pos[b]; each sequence's keys
-// are cut into n_splits splits (n_splits for the longest: shorter ones get shorter splits).
-// partial[B, H, n_splits, Dh + 2]; counters[B * H] as above.   twin: per sequence, kv_append +
-// attention_causal
-cudaError_t attention_decode_batch(float* out, const float* q, bf16* const* kcs, bf16* const* vcs, const float* k_new,
-                                   const float* v_new, const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits,
-                                   float* partial, unsigned* counters, cudaStream_t s);
+// The same for B sequences with one new token each, in one launch: all in the pool k_pool / v_pool,
+// token b's page table tables[b] (a DEVICE array of B device pointers), its position pos[b]; each
+// sequence's keys are cut into n_splits splits (n_splits for the longest: shorter ones get shorter
+// splits). partial[B, H, n_splits, Dh + 2]; counters[B * H] as above.   twin: per sequence,
+// kv_append + attention_causal
+cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf16* v_pool, const int32_t* const* tables,
+                                   const float* k_new, const float* v_new, const int32_t* pos, int B, int H, int Hkv,
+                                   int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s);
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
 // Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
 void set_attention_early(bool on);

@@ -522,10 +522,38 @@ void moe_gemm_timing(int T, int E, int K, int D, int F) {
               T, E, K, D, F, us_old, flop / us_old * 1e-6, us_new, flop / us_new * 1e-6);
 }
 
+// A paged KV pool (kernels.h, KvPages) for the attention cases: sequences get pages in a shuffled
+// order (a kernel that reads row pos at pos * row, ignoring its page table, reads another
+// sequence's or a poisoned row), and every pool row no sequence holds stays poisoned (0xffff), so
+// comparing the whole pool with `want` also catches writes outside a sequence's rows.
+struct PagedKv {
+  int row;
+  std::vector<int32_t> free_pages;
+  std::vector<uint16_t> k, v;  // the pool as it should be: [pages, kKvPageRows, row]
+  PagedKv(int row_, int pages) : row(row_), k(size_t(pages) * cu::kKvPageRows * row_, 0xffff), v(k) {
+    for (int p = 0; p < pages; ++p) free_pages.push_back(p);
+    std::shuffle(free_pages.begin(), free_pages.end(), rng);
+  }
+  static int pages_for(int rows) { return (rows + cu::kKvPageRows - 1) / cu::kKvPageRows; }
+  // A page table for `rows` rows (none written).
+  std::vector<int32_t> table(int rows) {
+    std::vector<int32_t> t(free_pages.end() - pages_for(rows), free_pages.end());
+    free_pages.resize(free_pages.size() - t.size());
+    return t;
+  }
+  // Rows [first, first + n) of a sequence <- kb, vb [n, row].
+  void put(const std::vector<int32_t>& t, int first, int n, const uint16_t* kb, const uint16_t* vb) {
+    for (int r = first; r < first + n; ++r) {
+      const size_t at = (size_t(t[r / cu::kKvPageRows]) * cu::kKvPageRows + r % cu::kKvPageRows) * row;
+      std::copy_n(kb + size_t(r - first) * row, row, k.begin() + at);
+      std::copy_n(vb + size_t(r - first) * row, row, v.begin() + at);
+    }
+  }
+};
+
 // One prompt-attention case: random q[T, H, Dh], k, v (kb, vb: as BF16); the CPU twin's output ref;
-// on the GPU the cache holding the first `past` rows (3 poisoned rows past the end) and the T new
-// rows appended by kv_append, as the backend does. Then run(host, out, q, kc, vc, pos) with device
-// pointers.
+// on the GPU a paged pool (2 spare pages) holding the first `past` rows and the T new rows appended
+// by kv_append, as the backend does. Then run(host, out, q, kv, pos) with device pointers.
 struct PromptAttnHost {
   const std::vector<float>& q;
   const std::vector<uint16_t>&kb, &vb;
@@ -539,16 +567,20 @@ void prompt_attention_case(int T, int past, int H, int Hkv, int Dh, Run run) {
   std::vector<float> ref(q.size());
   attention_causal(ref.data(), q.data(), kb.data(), vb.data(), DType::BF16, T, past, H, Hkv, Dh);
   std::vector<float> knew(k.begin() + size_t(past) * row, k.end()), vnew(v.begin() + size_t(past) * row, v.end());
-  std::vector<uint16_t> kc(size_t(n + 3) * row, 0xffff), vc(size_t(n + 3) * row, 0xffff);
-  std::copy_n(kb.begin(), size_t(past) * row, kc.begin());
-  std::copy_n(vb.begin(), size_t(past) * row, vc.begin());
+  PagedKv pool(row, PagedKv::pages_for(n) + 2);
+  const auto table = pool.table(n);
+  pool.put(table, 0, past, kb.data(), vb.data());
   std::vector<int32_t> pos(T);
   for (int t = 0; t < T; ++t) pos[t] = past + t;
   Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size());
-  Dev<uint16_t> dkc(kc), dvc(vc);
-  Dev<int32_t> dp(pos);
-  CK(cu::kv_append(dkc.p, dvc.p, dk.p, dv.p, dp.p, T, row, 0));
-  run(PromptAttnHost{q, kb, vb, ref}, dout, dq.p, dkc.p, dvc.p, dp.p);
+  Dev<uint16_t> dkc(pool.k), dvc(pool.v);
+  Dev<int32_t> dp(pos), dt(table);
+  const cu::KvPages kv{dkc.p, dvc.p, dt.p};
+  CK(cu::kv_append(kv, dk.p, dv.p, dp.p, T, row, 0));
+  pool.put(table, past, T, kb.data() + size_t(past) * row, vb.data() + size_t(past) * row);
+  const bool pool_exact = dkc.get() == pool.k && dvc.get() == pool.v;
+  report(fmt("kv_append T=%d past=%d row=%d: the pool exact", T, past, row), pool_exact ? 0.0 : 1.0, 0.0);
+  run(PromptAttnHost{q, kb, vb, ref}, dout, dq.p, kv, dp.p);
 }
 
 void check_attention() {
@@ -556,10 +588,9 @@ void check_attention() {
   for (C c : {C{1, 0, 4, 2, 16, 256}, C{1, 1000, 32, 4, 128, 256}, C{7, 33, 4, 2, 16, 8}, C{40, 300, 8, 8, 64, 64},
               C{1, 4095, 16, 16, 128, 256}, C{3, 17, 6, 3, 96, 5}, C{1, 5, 2, 1, 256, 256}}) {
     const int n_splits = (c.past + c.T + c.split - 1) / c.split;
-    prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kc, auto vc,
-                                                             auto pos) {
+    prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kv, auto pos) {
       Dev<float> part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
-      CK(cu::attention(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, c.split, part.p, 0));
+      CK(cu::attention(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, c.split, part.p, 0));
       report(fmt("kv_append+attention T=%d past=%d H=%d Hkv=%d Dh=%d splits=%d", c.T, c.past, c.H, c.Hkv, c.Dh,
                  n_splits),
              rel(dout.get(), h.ref), 1e-5);
@@ -609,14 +640,13 @@ void check_attention_prefill() {
               C{65, 4095, 8, 1, 64}, C{200, 9000, 4, 2, 128}, C{512, 0, 16, 16, 128}, C{512, 7680, 32, 4, 128},
               C{200, 1, 12, 4, 64}, C{65, 300, 10, 2, 128}, C{37, 4095, 14, 2, 64}, C{100, 1, 6, 1, 128},
               C{9, 9000, 32, 8, 128}, C{63, 0, 4, 4, 64}, C{16, 4095, 64, 8, 64}, C{512, 300, 16, 4, 64}}) {
-    prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kc, auto vc,
-                                                             auto pos) {
+    prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kv, auto pos) {
       const std::string name =
           fmt("attention_prefill T=%d past=%d G=%d Hkv=%d Dh=%d", c.T, c.past, c.H / c.Hkv, c.Hkv, c.Dh);
-      CK(cu::attention_prefill(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
+      CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
       const auto got = dout.get();
       dout.poison();
-      CK(cu::attention_prefill(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
+      CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
       const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
       const auto [e64, twin64] = attention_vs_f64(h, got, c.T, c.past, c.H, c.Hkv, c.Dh);
       // 1e-5: measured <= 4.2e-6 (at 9000 keys), with the twin itself up to 2.4e-6 off a double reference.
@@ -624,7 +654,7 @@ void check_attention_prefill() {
              fmt("rerun %s; vs f64 %.1e (twin %.1e)", same ? "bit-identical" : "DIFFERS", e64, twin64));
       if (!same) ++g_fail;
       dout.poison();
-      CK(cu::attention_prefill(dout.p, q, kc, vc, pos, c.T, c.H, c.Hkv, c.Dh, false, 0));
+      CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, false, 0));
       report(name + " P bf16", rel(dout.get(), h.ref), 5e-3);  // one BF16 rounding of P: measured <= 1.6e-3
     });
   }
@@ -632,7 +662,7 @@ void check_attention_prefill() {
   bool refused = true;
   for (C c : {C{16, 0, 8, 8, 96}, C{16, 0, 8, 8, 256}, C{16, 0, 8, 8, 16}, C{16, 0, 32, 2, 128}})
     refused = refused && !cu::attention_prefill_supported(c.H, c.Hkv, c.Dh) &&
-              cu::attention_prefill(nullptr, nullptr, nullptr, nullptr, nullptr, c.T, c.H, c.Hkv, c.Dh, true, 0) ==
+              cu::attention_prefill(nullptr, nullptr, cu::KvPages{}, nullptr, c.T, c.H, c.Hkv, c.Dh, true, 0) ==
                   cudaErrorInvalidValue;
   report("attention_prefill refuses Dh 96, 256, 16 and G=16", refused ? 0.0 : 1.0, 0.0);
 }
@@ -643,17 +673,21 @@ void check_attention_prefill() {
 void attention_timing(int past, int H, int Hkv, int Dh) {
   const int T = 512, n = past + T, row = Hkv * Dh, n_splits = std::min(32, (n + 255) / 256);
   Dev<float> q(randn(size_t(T) * H * Dh)), out(size_t(T) * H * Dh), part(size_t(T) * H * n_splits * (Dh + 2));
-  Dev<uint16_t> kc(bf16_of(randn(size_t(n) * row))), vc(bf16_of(randn(size_t(n) * row)));
+  const int n_pages = PagedKv::pages_for(n);
+  Dev<uint16_t> kc(bf16_of(randn(size_t(n_pages) * cu::kKvPageRows * row))), vc(kc.get());
+  std::vector<int32_t> pages(n_pages);
+  for (int p = 0; p < n_pages; ++p) pages[p] = p;  // in order, like a fresh pool
+  Dev<int32_t> table(pages);
+  const cu::KvPages kv{kc.p, vc.p, table.p};
   std::vector<int32_t> ph(T);
   for (int t = 0; t < T; ++t) ph[t] = past + t;
   Dev<int32_t> pos(ph);
   auto time_us = [&](auto launch) { return mean_us(3, 20, [&] { CK(launch()); }); };
   const double us_old = time_us([&] {
-    return cu::attention(out.p, q.p, kc.p, vc.p, pos.p, T, H, Hkv, Dh, n_splits, (n + n_splits - 1) / n_splits, part.p,
-                         0);
+    return cu::attention(out.p, q.p, kv, pos.p, T, H, Hkv, Dh, n_splits, (n + n_splits - 1) / n_splits, part.p, 0);
   });
   auto flash = [&](bool split_p) {
-    return time_us([&] { return cu::attention_prefill(out.p, q.p, kc.p, vc.p, pos.p, T, H, Hkv, Dh, split_p, 0); });
+    return time_us([&] { return cu::attention_prefill(out.p, q.p, kv, pos.p, T, H, Hkv, Dh, split_p, 0); });
   };
   const double us_split = flash(true), us_one = flash(false);
   const double flop = 4.0 * T * H * Dh * (past + (T + 1) / 2.0);  // QK^T and PV, causal
@@ -678,36 +712,31 @@ void check_attention_decode() {
     std::vector<float> ref(q.size());
     attention_causal(ref.data(), q.data(), kb.data(), vb.data(), DType::BF16, c.T, c.past, c.H, c.Hkv, c.Dh);
     std::vector<float> knew(k.begin() + size_t(c.past) * row, k.end()), vnew(v.begin() + size_t(c.past) * row, v.end());
-    std::vector<uint16_t> kc(size_t(n + 3) * row, 0xffff), vc(size_t(n + 3) * row, 0xffff);  // poisoned rows past the end
-    std::copy_n(kb.begin(), size_t(c.past) * row, kc.begin());
-    std::copy_n(vb.begin(), size_t(c.past) * row, vc.begin());
+    PagedKv pool(row, PagedKv::pages_for(n) + 3);  // shuffled pages, spare ones poisoned
+    const auto table = pool.table(n);
+    pool.put(table, 0, c.past, kb.data(), vb.data());
     std::vector<int32_t> pos(c.T);
     for (int t = 0; t < c.T; ++t) pos[t] = c.past + t;
     const int n_splits = (n + c.split - 1) / c.split;
     Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
-    Dev<uint16_t> dkc(kc), dvc(vc);
-    Dev<int32_t> dp(pos);
+    Dev<uint16_t> dkc(pool.k), dvc(pool.v);
+    Dev<int32_t> dp(pos), dt(table);
     Dev<unsigned> cnt(size_t(c.T) * c.H);
     CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
-    CK(cu::attention_decode(dout.p, dq.p, dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p,
-                            cnt.p, 0));
+    const cu::KvPages kv{dkc.p, dvc.p, dt.p};
+    CK(cu::attention_decode(dout.p, dq.p, kv, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p, cnt.p, 0));
     const auto got = dout.get();
     dout.poison();
-    CK(cu::attention_decode(dout.p, dq.p, dkc.p, dvc.p, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p,
-                            cnt.p, 0));
+    CK(cu::attention_decode(dout.p, dq.p, kv, dk.p, dv.p, dp.p, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p, cnt.p, 0));
     const auto got2 = dout.get();
     const bool same = std::memcmp(got.data(), got2.data(), got.size() * 4) == 0;
-    // The cache must hold exactly the BF16 rows of all n keys, and nothing past them.
-    const auto gk = dkc.get(), gv = dvc.get();
-    size_t bad_rows = 0;
-    for (size_t i = 0; i < gk.size(); ++i) {
-      const uint16_t ek = i < kb.size() ? kb[i] : 0xffff, ev = i < vb.size() ? vb[i] : 0xffff;
-      bad_rows += gk[i] != ek || gv[i] != ev;
-    }
+    // The pool must hold exactly the BF16 rows of all n keys where the table puts them, and nothing else.
+    pool.put(table, c.past, c.T, kb.data() + size_t(c.past) * row, vb.data() + size_t(c.past) * row);
+    const bool cache_exact = dkc.get() == pool.k && dvc.get() == pool.v;
     const int G = c.H / c.Hkv;
     report(fmt("attention_decode T=%d past=%d G=%d Hkv=%d Dh=%d splits=%d", c.T, c.past, G, c.Hkv, c.Dh, n_splits),
-           rel(got, ref), 1e-5, fmt("rerun %s, cache %s", same ? "bit-identical" : "DIFFERS", bad_rows ? "WRONG" : "exact"));
-    if (!same || bad_rows) ++g_fail;
+           rel(got, ref), 1e-5, fmt("rerun %s, cache %s", same ? "bit-identical" : "DIFFERS", cache_exact ? "exact" : "WRONG"));
+    if (!same || !cache_exact) ++g_fail;
   }
 }
 
@@ -722,52 +751,51 @@ void check_attention_decode_batch() {
                      C{many, 16, 4, 128, 32}, C{{5, 9000}, 8, 1, 256, 72}, C{{33, 7, 100}, 12, 2, 16, 3}}) {
     const int B = int(c.pasts.size()), row = c.Hkv * c.Dh;
     auto q = randn(size_t(B) * c.H * c.Dh), knew = randn(size_t(B) * row), vnew = randn(size_t(B) * row);
+    const auto knb = bf16_of(knew), vnb = bf16_of(vnew);
     std::vector<float> ref(q.size());
-    std::vector<std::vector<uint16_t>> want_k(B), want_v(B);
-    std::vector<Dev<uint16_t>*> kc, vc;
-    std::vector<uint16_t*> kp, vp;
+    int pages = 3;  // spare, poisoned
+    for (int p : c.pasts) pages += PagedKv::pages_for(p + 1);
+    PagedKv pool(row, pages);  // all B sequences in one pool, their pages interleaved
+    std::vector<std::vector<int32_t>> tables(B);
+    std::vector<Dev<int32_t>*> dtables;
+    std::vector<const int32_t*> table_ptrs;
     std::vector<int32_t> pos(B);
     for (int b = 0; b < B; ++b) {
       const int n = c.pasts[b] + 1;
       auto k = bf16_of(randn(size_t(n) * row)), v = bf16_of(randn(size_t(n) * row));
-      const auto kn = bf16_of(std::vector<float>(knew.begin() + size_t(b) * row, knew.begin() + size_t(b + 1) * row));
-      const auto vn = bf16_of(std::vector<float>(vnew.begin() + size_t(b) * row, vnew.begin() + size_t(b + 1) * row));
-      std::copy(kn.begin(), kn.end(), k.begin() + size_t(c.pasts[b]) * row);
-      std::copy(vn.begin(), vn.end(), v.begin() + size_t(c.pasts[b]) * row);
+      std::copy_n(knb.begin() + size_t(b) * row, row, k.begin() + size_t(c.pasts[b]) * row);
+      std::copy_n(vnb.begin() + size_t(b) * row, row, v.begin() + size_t(c.pasts[b]) * row);
       attention_causal(ref.data() + size_t(b) * c.H * c.Dh, q.data() + size_t(b) * c.H * c.Dh, k.data(), v.data(),
                        DType::BF16, 1, c.pasts[b], c.H, c.Hkv, c.Dh);
-      want_k[b] = k, want_v[b] = v;
-      want_k[b].resize(size_t(n + 3) * row, 0xffff), want_v[b].resize(size_t(n + 3) * row, 0xffff);
-      std::vector<uint16_t> kstart(want_k[b]), vstart(want_v[b]);  // the new row not yet there
-      std::fill_n(kstart.begin() + size_t(c.pasts[b]) * row, row, 0xffff);
-      std::fill_n(vstart.begin() + size_t(c.pasts[b]) * row, row, 0xffff);
-      kc.push_back(new Dev<uint16_t>(kstart)), vc.push_back(new Dev<uint16_t>(vstart));
-      kp.push_back(kc.back()->p), vp.push_back(vc.back()->p);
+      tables[b] = pool.table(n);
+      pool.put(tables[b], 0, c.pasts[b], k.data(), v.data());  // the new row not yet there
+      dtables.push_back(new Dev<int32_t>(tables[b]));
+      table_ptrs.push_back(dtables.back()->p);
       pos[b] = c.pasts[b];
     }
-    Dev<uint16_t*> dkp(kp), dvp(vp);
+    Dev<uint16_t> dkc(pool.k), dvc(pool.v);
+    for (int b = 0; b < B; ++b)  // the expected pool: every sequence's new row in place
+      pool.put(tables[b], c.pasts[b], 1, knb.data() + size_t(b) * row, vnb.data() + size_t(b) * row);
+    Dev<const int32_t*> dtp(table_ptrs);
     Dev<float> dq(q), dk(knew), dv(vnew), dout(q.size()), part(size_t(B) * c.H * c.n_splits * (c.Dh + 2));
     Dev<int32_t> dp(pos);
     Dev<unsigned> cnt(size_t(B) * c.H);
     CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
-    CK(cu::attention_decode_batch(dout.p, dq.p, dkp.p, dvp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
+    CK(cu::attention_decode_batch(dout.p, dq.p, dkc.p, dvc.p, dtp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
                                   part.p, cnt.p, 0));
     const auto got = dout.get();
     dout.poison();
-    CK(cu::attention_decode_batch(dout.p, dq.p, dkp.p, dvp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
+    CK(cu::attention_decode_batch(dout.p, dq.p, dkc.p, dvc.p, dtp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
                                   part.p, cnt.p, 0));
     const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
-    size_t bad_rows = 0;
-    for (int b = 0; b < B; ++b) {
-      bad_rows += kc[b]->get() != want_k[b] || vc[b]->get() != want_v[b];
-      delete kc[b], delete vc[b];
-    }
+    const bool cache_exact = dkc.get() == pool.k && dvc.get() == pool.v;
+    for (auto* d : dtables) delete d;
     int longest = 0;
     for (int p : c.pasts) longest = std::max(longest, p);
     report(fmt("attention_decode_batch B=%d longest=%d G=%d Hkv=%d Dh=%d splits=%d", B, longest, c.H / c.Hkv, c.Hkv,
                c.Dh, c.n_splits),
-           rel(got, ref), 1e-5, fmt("rerun %s, caches %s", same ? "bit-identical" : "DIFFERS", bad_rows ? "WRONG" : "exact"));
-    if (!same || bad_rows) ++g_fail;
+           rel(got, ref), 1e-5, fmt("rerun %s, caches %s", same ? "bit-identical" : "DIFFERS", cache_exact ? "exact" : "WRONG"));
+    if (!same || !cache_exact) ++g_fail;
   }
 }
 
@@ -1079,6 +1107,38 @@ void check_model_sampling(const std::string& name, const ModelWeights& w, Backen
               name.c_str(), agree_cpu, steps + 1, parted ? " (then parted: BF16-level logits differences)" : "");
 }
 
+// The paged cache's pool at its limit, through the backend: a pool of 4 pages; sequence A takes 3,
+// so B's 100-token prompt (2 pages) must be refused with an error naming the pool, B left as it
+// was; once A is truncated to one page, B's prompt runs, and its logits must equal those of the
+// same prompt in a fresh cache of the main backend (pages in another order: same bits).
+void check_page_pool(const ModelWeights& w, Backend& gpu, const std::vector<int32_t>& prompt) {
+  const ModelConfig& c = w.cfg;
+  CudaBackendOptions o;
+  o.kv_cache_bytes = size_t(4) * 2 * 2 * c.num_layers * cu::kKvPageRows * c.num_kv_heads * c.head_dim;
+  auto small = make_cuda_backend(w, o);
+  std::vector<int32_t> a(3 * cu::kKvPageRows), b(100);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = prompt[i % prompt.size()];
+  for (size_t i = 0; i < b.size(); ++i) b[i] = prompt[(i * 7 + 3) % prompt.size()];
+  const int V = c.vocab_size;
+  std::vector<float> la(static_cast<size_t>(V)), lb(la), want(la);
+  auto ca = small->new_cache(), cb = small->new_cache();
+  small->forward(a, *ca, 1, la.data());
+  std::string refused;
+  try {
+    small->forward(b, *cb, 1, lb.data());
+  } catch (const InputError& e) {
+    refused = e.what();
+  }
+  const bool named = refused.find("page pool is full") != std::string::npos && cb->length() == 0;
+  ca->truncate(cu::kKvPageRows);
+  small->forward(b, *cb, 1, lb.data());
+  auto fresh = gpu.new_cache();
+  gpu.forward(b, *fresh, 1, want.data());
+  const bool same = std::memcmp(lb.data(), want.data(), size_t(V) * 4) == 0;
+  report("page pool full: refused, then after truncate the same logits", named && same ? 0.0 : 1.0, 0.0,
+         fmt("error \"%s\"; logits %s", refused.substr(0, 60).c_str(), same ? "bit-identical" : "DIFFER"));
+}
+
 void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps) {
   auto w = load_weights(dir);
   const int V = w->cfg.vocab_size, T = int(prompt.size());
@@ -1123,6 +1183,7 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   check_model_batch(name, *w, *cpu, *gpu, prompt, 3);
   check_model_batch(name, *w, *cpu, *gpu, prompt, 12);
   if (name == "tinymix-code") check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
+  if (name == "tinymix-code") check_page_pool(*w, *gpu, prompt);
 }
 
 }  // namespace
