@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <climits>
 #include <algorithm>
+#include <iterator>
 #include <cmath>
 
 #include <cooperative_groups.h>
@@ -21,11 +22,11 @@ namespace cg = cooperative_groups;
 constexpr int kWarps = 8;  // warps per block in the GEMV-style kernels
 // The GEMV-style kernels read weights in rounds of kLoads 16-byte loads per lane, all issued before
 // any is used, so that the memory system sees them together whatever the compiler schedules
-// (a 2048-wide BF16 row is 8 per lane; moe_down's warps take kDownRows rows of an expert at once
+// (a 2048-wide BF16 row is 8 per lane; moe_down's warps take 4 rows of an expert at once
 // for that). 16 per lane took ~130 registers and halved the blocks per SM.
 constexpr int kLoads = 8;
 constexpr int kGemvRows = 1;
-constexpr int kDownRows = 2;
+constexpr int kMaxDownRows = 4;  // moe_down's rows per warp at most (its variants below)
 constexpr int kGemvBlockRows = kWarps * kGemvRows;
 static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
 constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
@@ -433,19 +434,20 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restr
   if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
 }
 
-// grid (ceil(D / R), T), R = kDownRows * max(1, kWarps / K) output rows per block. The block's jobs
-// (job j: expert k = j % K, rows d0 + kDownRows * (j / K) + 0 .. kDownRows - 1) go to its warps
-// round-robin; a warp streams its job's rows together (kLoads loads per lane in flight), so a
-// block keeps enough loads in flight even at small K and no warp waits on another expert. The
-// block then sums each row's K partials in k order (deterministic), weighted, into x (the
-// residual add).
-__global__ void __launch_bounds__(kWarps * 32, 4) moe_down_kernel(float* __restrict__ x, const float* __restrict__ act,
-                                                               const bf16* __restrict__ Wd,
-                                                               const int32_t* __restrict__ ids,
-                                                               const float* __restrict__ weights, int K, int D,
-                                                               int F, int R) {
-  constexpr int NR = kDownRows, CH = kLoads / kDownRows;
-  __shared__ float part[kDownRows * kRouteMaxK];  // [R, K], R * K <= kDownRows * max(kWarps, K)
+// grid (ceil(D / R), T), R = NR * max(1, kWarps / K) output rows per block. The block's jobs
+// (job j: expert k = j % K, rows d0 + NR * (j / K) + 0 .. NR - 1) go to its warps round-robin; a
+// warp streams its job's NR rows together (NR * CH loads per lane in flight), so a block keeps
+// enough loads in flight even at small K and no warp waits on another expert. The block then
+// sums each row's K partials in k order (deterministic), weighted, into x (the residual add).
+// MINB: blocks per SM the register budget must allow.
+template <int NR, int CH, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __restrict__ x,
+                                                                  const float* __restrict__ act,
+                                                                  const bf16* __restrict__ Wd,
+                                                                  const int32_t* __restrict__ ids,
+                                                                  const float* __restrict__ weights, int K, int D,
+                                                                  int F, int R) {
+  __shared__ float part[kMaxDownRows * kRouteMaxK];  // [R, K], R * K <= NR * max(kWarps, K)
   const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R, jobs = K * (R / NR);
   // The first round of the warp's first job is loaded BEFORE pdl_wait(): ids come from moe_route,
   // the kernel before the previous one, which had finished before moe_gate_up (whose blocks all
@@ -763,12 +765,29 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
   return launch(moe_gate_up_kernel, dim3((F + kWarps - 1) / kWarps, T * K), kWarps * 32, 0, s, act, h, Wgu, ids, K, F, D);
 }
 
+namespace {
+// moe_down's shapes (rows per warp, 16-byte loads per row per round, blocks per SM), for A/B timing:
+// set_moe_down_variant(i), TIERMOE_CUDA_DOWN=i in the backend. 0, the default: 4 rows of 2 loads
+// (OLMoE / Qwen3-30B-A3B shapes 2.3-2.7% faster per token than 1, even at Mixtral's; 1 x 8, 2 x 8
+// and 4 x 4 at 2 blocks per SM were slower, docs/benchmarks.md).
+struct DownVariant {
+  void (*kernel)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int);
+  int rows;
+};
+constexpr DownVariant kDownVariants[] = {{moe_down_kernel<4, 2, 4>, 4}, {moe_down_kernel<2, 4, 4>, 2}};
+int g_moe_down_variant = 0;
+}  // namespace
+
+int moe_down_variants() { return int(std::size(kDownVariants)); }
+void set_moe_down_variant(int v) { g_moe_down_variant = v >= 0 && v < moe_down_variants() ? v : 0; }
+
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
   if (K < 1 || K > kRouteMaxK) return cudaErrorInvalidValue;
-  const int R = kDownRows * std::max(1, kWarps / K);
-  return launch(moe_down_kernel, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F, R);
+  const DownVariant& v = kDownVariants[g_moe_down_variant];
+  const int R = v.rows * std::max(1, kWarps / K);
+  return launch(v.kernel, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F, R);
 }
 
 cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s) {

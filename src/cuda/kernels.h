@@ -87,6 +87,9 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 // before it: ids must come from an earlier kernel than that one (moe_route, then moe_gate_up), or a copy.
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s);
+// moe_down's kernel shapes (rows per warp, loads in flight, blocks per SM), for A/B timing; 0: the default.
+int moe_down_variants();
+void set_moe_down_variant(int v);
 
 // Grouped MoE for decode batches (moe_grouped.cu), T * K <= kMoeGroupedMaxTK: each expert's rows
 // are read once for all the tokens that picked it (one block per (expert, row tile), which finds

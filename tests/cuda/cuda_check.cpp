@@ -376,11 +376,16 @@ void check_moe() {
     Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dwt(m.w);
     Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids);
-    report_moe(fmt("moe_gate_up+moe_down T=%d E=%d K=%d D=%d F=%d", c.T, c.E, c.K, c.D, c.F), c, m, [&](float* x) {
-      dact.poison();
-      CK(cu::moe_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.F, c.D, 0));
-      CK(cu::moe_down(x, dact.p, ddn.p, di.p, dwt.p, c.T, c.K, c.D, c.F, 0));
-    });
+    for (int v = 0; v < cu::moe_down_variants(); ++v) {  // every shape of moe_down
+      cu::set_moe_down_variant(v);
+      report_moe(fmt("moe_gate_up+moe_down T=%d E=%d K=%d D=%d F=%d down %d", c.T, c.E, c.K, c.D, c.F, v), c, m,
+                 [&](float* x) {
+                   dact.poison();
+                   CK(cu::moe_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.F, c.D, 0));
+                   CK(cu::moe_down(x, dact.p, ddn.p, di.p, dwt.p, c.T, c.K, c.D, c.F, 0));
+                 });
+    }
+    cu::set_moe_down_variant(0);
   }
 }
 
@@ -1014,6 +1019,31 @@ double gemv_bandwidth(int N, int K) {
   return us;
 }
 
+// Batch-1 expert kernels of one layer at a model's shape (dummy weights, the token's experts rotated
+// over 4 sets so that L2 holds none of them): moe_gate_up, then moe_down under each of its shapes;
+// microseconds per launch (20 back to back after 3) and GB/s of the selected experts' weights.
+void moe_decode_timing(const char* name, int E, int K, int D, int F) {
+  Dev<uint16_t> gu(size_t(E) * 2 * F * D), dn(size_t(E) * D * F);
+  CK(cu::fill_random_bf16(gu.p, gu.n, 11, 0.02f, 0));
+  CK(cu::fill_random_bf16(dn.p, dn.n, 12, 0.02f, 0));
+  std::vector<int32_t> idh(4 * size_t(K));
+  for (int set = 0; set < 4; ++set)
+    for (int k = 0; k < K; ++k) idh[size_t(set) * K + k] = (set * K + k) % E;
+  Dev<int32_t> ids(idh);
+  std::vector<float> wh(K, 1.f / K);
+  Dev<float> h(randn(D)), act(static_cast<size_t>(K) * F), x(randn(D)), w(wh);
+  int call = 0;
+  auto set_ids = [&] { return ids.p + (call++ % 4) * K; };
+  const double gu_us = mean_us(3, 20, [&] { CK(cu::moe_gate_up(act.p, h.p, gu.p, set_ids(), 1, K, F, D, 0)); });
+  std::printf("timing moe %s gate_up: %.1f us, %.0f GB/s\n", name, gu_us, 2.0 * K * 2 * F * D / (gu_us * 1e3));
+  for (int v = 0; v < cu::moe_down_variants(); ++v) {
+    cu::set_moe_down_variant(v);
+    const double us = mean_us(3, 20, [&] { CK(cu::moe_down(x.p, act.p, dn.p, set_ids(), w.p, 1, K, D, F, 0)); });
+    std::printf("timing moe %s down_variant %d: %.1f us, %.0f GB/s\n", name, v, us, 2.0 * K * D * F / (us * 1e3));
+  }
+  cu::set_moe_down_variant(0);
+}
+
 // Repoints every projection of w at a BF16 copy (kept alive in `keep`), so that the CPU
 // reference computes with the same weight values the GPU uploads.
 void round_weights_to_bf16(ModelWeights& w, std::vector<std::vector<uint16_t>>& keep) {
@@ -1457,6 +1487,9 @@ int main(int argc, char** argv) {
     attention_timing(7680, 32, 8, 128);   // Mixtral-8x7B, the last chunk of 8192
     moe_gemm_timing(512, 8, 2, 4096, 14336);  // Mixtral-8x7B's experts, a 512-token chunk
     moe_gemm_timing(512, 128, 8, 2048, 768);  // Qwen3-30B-A3B's
+    moe_decode_timing("mixtral", 8, 2, 4096, 14336);
+    moe_decode_timing("qwen3-30b-a3b", 128, 8, 2048, 768);
+    moe_decode_timing("olmoe", 64, 8, 2048, 1024);
   }
   std::printf("== %d cases, %d failed ==\n", g_cases, g_fail);
   return g_fail ? 1 : 0;
