@@ -276,15 +276,8 @@ bool g_attention_early = true;  // TIERMOE_CUDA_ATTN_EARLY=0: the first tile aft
 // idle while each block works through G heads; the K/V rows are then read HG times, which at
 // those lengths is little.
 int head_groups(int G, int blocks) {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-                   cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess
-               ? n
-               : 0;
-  }();
   int hg = 1;
-  while (G % (2 * hg) == 0 && blocks * 2 * hg <= 2 * sms) hg *= 2;
+  while (G % (2 * hg) == 0 && blocks * 2 * hg <= 2 * sm_count()) hg *= 2;
   return hg;
 }
 

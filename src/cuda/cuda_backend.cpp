@@ -265,7 +265,6 @@ class CudaBackend final : public Backend {
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
-    if (const char* e = std::getenv("TIERMOE_CUDA_SPLITS_PER_1K")) splits_per_1k_ = std::clamp(std::atoi(e), 1, 16);
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
@@ -426,7 +425,6 @@ class CudaBackend final : public Backend {
   void* sample_scratch_ = nullptr;
   size_t sample_scratch_bytes_ = 0;
   static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
-  int splits_per_1k_ = 8;  // decode attention splits per 1024 keys beyond 1024 (TIERMOE_CUDA_SPLITS_PER_1K, 1..16)
   mutable std::unique_ptr<KvPagePool> pool_;  // at the first new_cache()
 
   int max_context() const { return cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20; }
@@ -838,13 +836,13 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     const int keys = len + n, max_splits = (max_context() + kDecodeSplit - 1) / kDecodeSplit;
     if (n <= cuda::kGemvMaxT && decode_attention_) {
       // attention_decode() balances the keys over n_splits itself, so a captured step stays valid
-      // while n_splits does: a power of two up to 1024 keys (splits of 32-64 keys), then
-      // splits_per_1k_ more splits per 1024 keys (8: 64-128 keys each).
+      // while n_splits does: a power of two up to 1024 keys (splits of 32-64 keys), then 8 more
+      // splits per 1024 keys (64-128 keys each; 4 and 16 were no better at 4096 keys).
       p.n_splits = 1;
       if (keys <= 1024)
         while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;
       else
-        p.n_splits = (keys + 1023) / 1024 * splits_per_1k_;
+        p.n_splits = (keys + 1023) / 1024 * 8;
     } else if (n <= cuda::kGemvMaxT) {
       p.n_splits = 1;  // a power of two, so that a captured decode step stays valid for many steps
       while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;

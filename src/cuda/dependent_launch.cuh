@@ -16,6 +16,15 @@ namespace tiermoe::cuda {
 
 bool programmatic_launch();  // kernels.cu
 
+// The device's multiprocessor count, for launch shapes that fill one wave (0 if unreadable).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    return cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? v : 0;
+  }();
+  return n;
+}
+
 // Lets the stream's next kernel start (its blocks run up to their pdl_wait()).
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 // Waits until the previous kernel of the stream has finished and its writes are visible; returns

@@ -41,7 +41,15 @@ __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
   return dot8(w, *reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4));
 }
 
-__device__ __forceinline__ uint4 ldg16(const uint16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// 16 bytes of weights, read once: not kept in L1 (L1::no_allocate), which then holds what the
+// kernel does reuse (moe_down's act rows, gate_up's h), and a 256-byte L2 fetch per miss.
+__device__ __forceinline__ uint4 ldg16(const uint16_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 
 // x as two BF16 parts, hi = bf16(x) and lo = bf16(x - hi): hi + lo carries x to about 2^-16
 // relative, so BF16 tensor-core products of both parts sum to FP32-level results.

@@ -8,7 +8,6 @@
 #include <cfloat>
 #include <climits>
 #include <algorithm>
-#include <iterator>
 #include <cmath>
 
 #include <cooperative_groups.h>
@@ -766,28 +765,30 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 }
 
 namespace {
-// moe_down's shapes (rows per warp, 16-byte loads per row per round, blocks per SM), for A/B timing:
-// set_moe_down_variant(i), TIERMOE_CUDA_DOWN=i in the backend. 0, the default: 4 rows of 2 loads
-// (OLMoE / Qwen3-30B-A3B shapes 2.3-2.7% faster per token than 1, even at Mixtral's; 1 x 8, 2 x 8
-// and 4 x 4 at 2 blocks per SM were slower, docs/benchmarks.md).
-struct DownVariant {
-  void (*kernel)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int);
-  int rows;
-};
-constexpr DownVariant kDownVariants[] = {{moe_down_kernel<4, 2, 4>, 4}, {moe_down_kernel<2, 4, 4>, 2}};
+// moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per
+// SM. The launch takes the one whose grid is the largest that fits one wave (4 blocks per SM),
+// else the smallest: measured end to end on the H200 (docs/benchmarks.md), the grid that fills one
+// wave won both ways -- NR 2 (512 blocks) at Mixtral's D = 4096, K = 2 by 10% per token, NR 4 (512
+// blocks) at OLMoE's / Qwen3-30B-A3B's D = 2048, K = 8 by 2-3%. TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4
+// (A/B; set_moe_down_variant).
+using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int);
+constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4>, kDown4 = moe_down_kernel<4, 2, 4>;
 int g_moe_down_variant = 0;
 }  // namespace
 
-int moe_down_variants() { return int(std::size(kDownVariants)); }
+int moe_down_variants() { return 3; }
 void set_moe_down_variant(int v) { g_moe_down_variant = v >= 0 && v < moe_down_variants() ? v : 0; }
 
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
   if (K < 1 || K > kRouteMaxK) return cudaErrorInvalidValue;
-  const DownVariant& v = kDownVariants[g_moe_down_variant];
-  const int R = v.rows * std::max(1, kWarps / K);
-  return launch(v.kernel, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F, R);
+  auto blocks = [&](int nr) { return (D + nr * std::max(1, kWarps / K) - 1) / (nr * std::max(1, kWarps / K)) * T; };
+  const int wave = 4 * sm_count();
+  const bool two = g_moe_down_variant == 1 || (g_moe_down_variant == 0 && blocks(2) <= wave);
+  const int R = (two ? 2 : 4) * std::max(1, kWarps / K);
+  return launch(two ? kDown2 : kDown4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F,
+                R);
 }
 
 cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s) {

@@ -87,7 +87,7 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 // before it: ids must come from an earlier kernel than that one (moe_route, then moe_gate_up), or a copy.
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s);
-// moe_down's kernel shapes (rows per warp, loads in flight, blocks per SM), for A/B timing; 0: the default.
+// moe_down's kernel shape, for A/B timing: 0 (default) chosen per launch, 1 / 2 pinned to 2 / 4 rows per warp.
 int moe_down_variants();
 void set_moe_down_variant(int v);
 
