@@ -114,6 +114,47 @@ TEST(Scheduler, KvBytesByTierOfAnExactCache) {
   EXPECT_EQ(b.size(), 2u);
 }
 
+// A backend whose caches share KV memory of their own (as the CUDA backend's page pool): the
+// CPU backend with a capacity of 2 pages of 64 tokens. The scheduler's budget must shrink to it,
+// reservations round up to its pages, a request needing more is an InputError naming the budget,
+// and one that fits runs.
+struct BoundedBackend final : Backend {
+  Backend& inner;
+  size_t capacity;
+  BoundedBackend(Backend& b, size_t cap) : inner(b), capacity(cap) {}
+  std::string name() const override { return inner.name(); }
+  int vocab_size() const override { return inner.vocab_size(); }
+  std::unique_ptr<KvCache> new_cache() const override { return inner.new_cache(); }
+  void forward_batch(std::span<const SeqStep> steps, float* logits) override { inner.forward_batch(steps, logits); }
+  size_t kv_capacity_bytes() const override { return capacity; }
+  int kv_page_tokens() const override { return 64; }
+};
+
+TEST(Scheduler, BudgetIsBoundedByTheBackendsKvMemory) {
+  Engine engine(tinymix());
+  const size_t per_token = 8 * 2 * 128 * 2 * 4;  // exact f32 cache: layers x KV heads x Dh x (K, V) x 4 bytes
+  BoundedBackend bounded(engine.backend(), 2 * 64 * per_token);
+  SchedulerOptions o;
+  o.kv_budget_bytes = size_t(1) << 40;
+  Scheduler sched(bounded, engine.config(), nullptr, o);
+  EXPECT_EQ(sched.options().kv_budget_bytes, 2 * 64 * per_token);
+  EXPECT_EQ(sched.reservation_bytes(65, 0), 2 * 64 * per_token);  // two whole pages
+  SeqRequest r;
+  r.prompt = {1, 2, 3};
+  r.max_tokens = 126;  // 129 tokens: three pages
+  try {
+    sched.submit(r);
+    ADD_FAILURE() << "a request needing 3 pages of a 2-page backend was admitted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("budget"), std::string::npos) << e.what();
+  }
+  r.max_tokens = 4;
+  auto out = sched.submit(r);
+  SeqStream::Chunk c;
+  while (!c.finished) c = out->take(std::chrono::seconds(10));
+  EXPECT_NE(c.finish_reason, "error") << c.error;
+}
+
 // Admission reserves at least what a sequence holds, metadata included: the tiered `default`
 // cache keeps its refit sample (BF16 rows and query statistics) until 3072 tokens, so short
 // sequences cost more per token than the codes say.

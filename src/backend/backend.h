@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -23,6 +24,12 @@ class Backend {
 
   // A fresh KV cache for one sequence of this model.
   virtual std::unique_ptr<KvCache> new_cache() const = 0;
+
+  // The KV memory all of this backend's caches share, and the tokens it is handed out in (a
+  // sequence holds whole pages): the scheduler admits within both. Default (host memory): no
+  // bound of its own, 16-token pages. The CUDA backend: its page pool, 64-token pages.
+  virtual size_t kv_capacity_bytes() const { return std::numeric_limits<size_t>::max(); }
+  virtual int kv_page_tokens() const { return 16; }
 
   // One sequence's share of a batched step: its new tokens, its cache, and how many of the
   // last of those tokens need logits (1 when decoding, all when scoring, 0 mid-prompt).

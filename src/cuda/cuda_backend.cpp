@@ -123,6 +123,7 @@ class KvPagePool {
 
   bf16* k(int layer) const { return k_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
   bf16* v(int layer) const { return v_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
+  int pages() const { return pages_; }
   int free_pages() const { return int(free_.size()); }
   // n more pages, or an error naming the pool's size (and nothing taken).
   void take(int n, std::vector<int32_t>& into) {
@@ -291,12 +292,12 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   int vocab_size() const override { return cfg_.vocab_size; }
 
-  // The first cache allocates the page pool (after the weights, so that auto-sizing sees what they left).
   std::unique_ptr<KvCache> new_cache() const override {
-    if (!pool_) pool_ = std::make_unique<KvPagePool>(cfg_.num_layers, size_t(cfg_.num_kv_heads) * cfg_.head_dim, pool_pages());
     return std::make_unique<CudaKvCache>(KvGeometry{cfg_.num_layers, cfg_.num_kv_heads, cfg_.num_heads, cfg_.head_dim},
-                                         *pool_, max_context(), stream_, prompt_attention_);
+                                         pool(), max_context(), stream_, prompt_attention_);
   }
+  size_t kv_capacity_bytes() const override { return size_t(pool().pages()) * page_bytes(); }
+  int kv_page_tokens() const override { return cuda::kKvPageRows; }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, logits,
@@ -425,10 +426,19 @@ class CudaBackend final : public Backend {
   void* sample_scratch_ = nullptr;
   size_t sample_scratch_bytes_ = 0;
   static constexpr int kDecodeSplit = 64;  // keys per attention block when T <= kGemvMaxT
-  mutable std::unique_ptr<KvPagePool> pool_;  // at the first new_cache()
+  mutable std::unique_ptr<KvPagePool> pool_;  // at the first use, pool()
 
   int max_context() const { return cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20; }
+  size_t page_bytes() const {  // K and V of one page in every layer
+    return size_t(2 * 2) * cfg_.num_layers * cuda::kKvPageRows * cfg_.num_kv_heads * cfg_.head_dim;
+  }
   int pool_pages() const;
+  // Allocated at the first use (a cache, or the scheduler asking the capacity): after the weights,
+  // so that auto-sizing sees what they left.
+  KvPagePool& pool() const {
+    if (!pool_) pool_ = std::make_unique<KvPagePool>(cfg_.num_layers, size_t(cfg_.num_kv_heads) * cfg_.head_dim, pool_pages());
+    return *pool_;
+  }
 
   // Captured decode steps. Batch 1: one per (page table, attention split count, logits wanted), so
   // a sequence that grows through several split counts replays graphs captured before (a new cache
@@ -472,7 +482,6 @@ void CudaBackend::read_switches() {
 // workspace are in, less a reserve of max(4 GiB, 5%) (cuBLAS workspaces, graphs, the benchmark's
 // copy-bandwidth buffers); at most 256 sequences of the full context.
 int CudaBackend::pool_pages() const {
-  const size_t page_bytes = size_t(2 * 2) * cfg_.num_layers * cuda::kKvPageRows * cfg_.num_kv_heads * cfg_.head_dim;
   size_t bytes = opts_.kv_cache_bytes;
   if (bytes == 0) {
     size_t free_b = 0, total_b = 0;
@@ -481,10 +490,10 @@ int CudaBackend::pool_pages() const {
     bytes = free_b > reserve ? free_b - reserve : 0;
   }
   const size_t per_seq = (size_t(max_context()) + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
-  const size_t pages = std::min({bytes / page_bytes, per_seq * 256, size_t(INT32_MAX)});
+  const size_t pages = std::min({bytes / page_bytes(), per_seq * 256, size_t(INT32_MAX)});
   if (pages == 0)
     throw InputError("KV cache: no GPU memory for one page of " + std::to_string(cuda::kKvPageRows) + " tokens (" +
-                     std::to_string(page_bytes >> 10) + " KiB)");
+                     std::to_string(page_bytes() >> 10) + " KiB)");
   return int(pages);
 }
 
@@ -745,7 +754,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                                cfg_.rope_theta, stream_));
     const size_t B = pieces.size();
     if (batch_splits_ > 0) {  // B sequences, one token each: one launch
-      CUDA_CK(cuda::attention_decode_batch(att_, q_, pool_->k(l), pool_->v(l), tables_, k_, v_, pos_,
+      CUDA_CK(cuda::attention_decode_batch(att_, q_, pool().k(l), pool().v(l), tables_, k_, v_, pos_,
                                            int(B), H, Hkv, Dh, batch_splits_, partial_, split_counters_, stream_));
     } else for (size_t t = 0; const Piece& p : pieces) {
       if (p.n <= cuda::kGemvMaxT && decode_attention_) {  // append + attention + combine in one launch

@@ -15,7 +15,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-constexpr int kPageTokens = 16;      // reservations round up to whole pages
 constexpr int kMinPrefillChunk = 16;  // prefill progresses even when decodes fill the step
 
 }  // namespace
@@ -96,6 +95,10 @@ Scheduler::Scheduler(Backend& backend, const ModelConfig& cfg, const Tokenizer* 
   if (opts_.max_batch < 1) throw InputError("--max-batch must be >= 1");
   if (opts_.max_queue < 0) throw InputError("--max-queue must be >= 0");
   if (opts_.step_tokens < 1) throw InputError("--step-tokens must be >= 1");
+  // A backend with KV memory of its own (the CUDA page pool) bounds the budget: admission then
+  // never starts more sequences than it can hold.
+  opts_.kv_budget_bytes = std::min(opts_.kv_budget_bytes, backend.kv_capacity_bytes());
+  page_tokens_ = std::max(1, backend.kv_page_tokens());
   // What one token costs in this backend's cache: measured on a short probe sequence, so that
   // the estimate follows whatever the cache stores (exact, BF16, compressed tiers). Per-sequence
   // metadata counts too: a tiered cache holds its codec-fitting sample (BF16 rows, query
@@ -121,7 +124,7 @@ Scheduler::~Scheduler() {
 
 size_t Scheduler::reservation_bytes(size_t prompt_tokens, int max_tokens) const {
   const size_t tokens = prompt_tokens + size_t(std::max(max_tokens, 0));
-  return (tokens + kPageTokens - 1) / kPageTokens * kPageTokens * bytes_per_token_;
+  return (tokens + page_tokens_ - 1) / page_tokens_ * page_tokens_ * bytes_per_token_;
 }
 
 std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
@@ -135,7 +138,8 @@ std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
   seq->reserved = reservation_bytes(seq->req.prompt.size(), seq->req.max_tokens);
   if (seq->reserved > opts_.kv_budget_bytes)
     throw InputError("the request needs " + std::to_string(seq->reserved) + " bytes of KV cache (prompt + max_tokens), " +
-                     "more than the budget of " + std::to_string(opts_.kv_budget_bytes) + " (--kv-memory-mb)");
+                     "more than the budget of " + std::to_string(opts_.kv_budget_bytes) +
+                     " (--kv-memory-mb, at most the backend's own KV memory)");
   seq->out->prompt_tokens_ = int(seq->req.prompt.size());
   auto out = seq->out;
   {

@@ -31,7 +31,9 @@ struct SchedulerOptions {
   int max_queue = 128;   // waiting requests at most (beyond: QueueFull, HTTP 429)
   int step_tokens = 512;  // tokens per forward_batch (decodes + prefill chunks); 512 = the backends'
                           // pass size, so a lone request runs the same passes as Backend::forward
-  size_t kv_budget_bytes = std::numeric_limits<size_t>::max();  // KV memory admitted sequences may reserve
+  // KV memory admitted sequences may reserve; the scheduler lowers it to the backend's own KV
+  // memory (Backend::kv_capacity_bytes) where that is smaller (options() shows the result).
+  size_t kv_budget_bytes = std::numeric_limits<size_t>::max();
 };
 
 struct SeqRequest {
@@ -125,6 +127,7 @@ class Scheduler {
   SchedulerOptions opts_;
   std::shared_ptr<SchedulerObserver> observer_;  // never null (a no-op one when none is given)
   size_t bytes_per_token_ = 0;  // estimate for reservations
+  int page_tokens_ = 16;        // reservations round up to the backend's KV pages
 
   std::mutex mu_;
   std::condition_variable cv_;

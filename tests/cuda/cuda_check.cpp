@@ -1165,8 +1165,12 @@ void check_page_pool(const ModelWeights& w, Backend& gpu, const std::vector<int3
   auto fresh = gpu.new_cache();
   gpu.forward(b, *fresh, 1, want.data());
   const bool same = std::memcmp(lb.data(), want.data(), size_t(V) * 4) == 0;
-  report("page pool full: refused, then after truncate the same logits", named && same ? 0.0 : 1.0, 0.0,
-         fmt("error \"%s\"; logits %s", refused.substr(0, 60).c_str(), same ? "bit-identical" : "DIFFER"));
+  // What the scheduler admits within (Backend::kv_capacity_bytes, kv_page_tokens): the pool.
+  const bool capacity = small->kv_capacity_bytes() == o.kv_cache_bytes && small->kv_page_tokens() == cu::kKvPageRows;
+  report("page pool full: refused, then after truncate the same logits; capacity reported",
+         named && same && capacity ? 0.0 : 1.0, 0.0,
+         fmt("error \"%s\"; logits %s; capacity %zu of %zu bytes", refused.substr(0, 60).c_str(),
+             same ? "bit-identical" : "DIFFER", small->kv_capacity_bytes(), o.kv_cache_bytes));
 }
 
 void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps) {
