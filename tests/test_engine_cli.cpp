@@ -144,6 +144,8 @@ TEST(Cli, BadInputGivesClearErrorAndExitCode2) {
       {"tokenize --model /nonexistent/model --text hi", "/nonexistent/model"},
       {"generate MODEL -p hi --threads -3", "--threads"},
       {"generate MODEL -p hi --max-tokenz 3", "--max-tokenz"},
+      {"generate MODEL -p hi --gpu-kv-gib 2", "--gpu-kv-gib needs --backend cuda"},
+      {"generate MODEL -p hi --gpu-kv-gib -1", "--gpu-kv-gib"},
   };
   for (const BadCli& c : cases) {
     std::string args = c.args;

@@ -15,6 +15,7 @@ struct CommonOptions {
   bool json = false;
   std::string kv_config, kv_profile;
   std::string backend = "cpu", load_format = "auto";  // generate, serve, bench
+  double gpu_kv_gib = 0;                                // 0: the backend's default
 };
 
 std::string read_text_file(const std::string& path);  // throws InputError naming the path
@@ -28,6 +29,7 @@ inline EngineOptions engine_options(const CommonOptions& c) {
   o.kv_profile = c.kv_profile;
   o.backend = c.backend;
   o.load_format = c.load_format;
+  o.gpu_kv_bytes = size_t(c.gpu_kv_gib * double(size_t(1) << 30));
   return o;
 }
 

@@ -25,6 +25,8 @@ void add_backend(CLI::App* cmd, CommonOptions& c) {
   cmd->add_option("--backend", c.backend, "cpu or cuda (KV cache in BF16)")->capture_default_str();
   cmd->add_option("--load-format", c.load_format, "auto (checkpoint) or dummy (config.json's shapes, random weights "
                   "on the GPU)")->capture_default_str();
+  cmd->add_option("--gpu-kv-gib", c.gpu_kv_gib, "--backend cuda: GiB of GPU memory for the paged KV cache "
+                  "(default: what the weights leave, less a reserve)")->check(CLI::PositiveNumber);
 }
 
 }  // namespace

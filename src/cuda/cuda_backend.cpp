@@ -492,7 +492,10 @@ int CudaBackend::pool_pages() const {
   const size_t per_seq = (size_t(max_context()) + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
   const size_t pages = std::min({bytes / page_bytes(), per_seq * 256, size_t(INT32_MAX)});
   if (pages == 0)
-    throw InputError("KV cache: no GPU memory for one page of " + std::to_string(cuda::kKvPageRows) + " tokens (" +
+    throw InputError("KV cache: " +
+                     (opts_.kv_cache_bytes ? std::to_string(opts_.kv_cache_bytes) + " bytes (--gpu-kv-gib) is"
+                                           : std::string("the free GPU memory is")) +
+                     " less than one page of " + std::to_string(cuda::kKvPageRows) + " tokens (" +
                      std::to_string(page_bytes() >> 10) + " KiB)");
   return int(pages);
 }

@@ -31,6 +31,7 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
   if (opts.load_format != "auto" && opts.load_format != "dummy")
     throw InputError("--load-format must be auto or dummy, not '" + opts.load_format + "'");
   if (opts.load_format == "dummy" && opts.backend != "cuda") throw InputError("--load-format dummy needs --backend cuda");
+  if (opts.gpu_kv_bytes > 0 && opts.backend != "cuda") throw InputError("--gpu-kv-gib needs --backend cuda");
   const bool config_file = opts.load_format == "dummy" && std::filesystem::is_regular_file(opts.model_dir);
   if (!config_file && !std::filesystem::is_directory(opts.model_dir))
     throw InputError(opts.model_dir + ": not a directory" +
@@ -61,7 +62,9 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
     if (!kv_spec_->exact || kv_spec_->exact_f32 || !opts.kv_profile.empty())
       throw InputError("--kv " + kv_spec_->name + ": the CUDA backend keeps its KV cache in BF16 (--kv bf16, the default "
                        "with --backend cuda); tiered caches and profiles are CPU-only so far");
-    backend_ = weights_ ? make_cuda_backend(*weights_) : make_cuda_backend_dummy(config_);
+    CudaBackendOptions co;
+    co.kv_cache_bytes = opts.gpu_kv_bytes;
+    backend_ = weights_ ? make_cuda_backend(*weights_, co) : make_cuda_backend_dummy(config_, co);
     weights_.reset();  // uploaded; the host copy is not needed
     return;
 #else

@@ -27,6 +27,7 @@ struct EngineOptions {
   std::string backend = "cpu";        // cpu | cuda (builds with nvcc; BF16 weights and KV on one GPU)
   std::string load_format = "auto";   // auto: the checkpoint | dummy: config.json's shapes, random
                                       // weights on the GPU (cuda only; for speed, not for text)
+  size_t gpu_kv_bytes = 0;            // cuda: the paged KV pool's size (0: CudaBackendOptions' default)
   SchedulerOptions scheduler;         // the engine's continuous-batching loop (generate, serve)
   std::shared_ptr<SchedulerObserver> observer;  // its metrics, if anyone wants them
 };

@@ -1368,7 +1368,11 @@ int profile_main(int argc, char** argv) {
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   const ModelConfig cfg = parse_config(test::read_file(config), config);
-  auto b = make_cuda_backend_dummy(cfg);
+  // A pool for this one sequence: the default takes the free memory, which ncu's kernel replay needs.
+  CudaBackendOptions o;
+  o.kv_cache_bytes = size_t(ctx / cu::kKvPageRows + 2) * 2 * 2 * cfg.num_layers * cu::kKvPageRows * cfg.num_kv_heads *
+                     cfg.head_dim;
+  auto b = make_cuda_backend_dummy(cfg, o);
   auto cache = b->new_cache();
   std::vector<int32_t> prompt(static_cast<size_t>(ctx));
   for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
