@@ -21,7 +21,7 @@ namespace cg = cooperative_groups;
 constexpr int kWarps = 8;  // warps per block in the GEMV-style kernels
 // The GEMV-style kernels read weights in rounds of kLoads 16-byte loads per lane, all issued before
 // any is used, so that the memory system sees them together whatever the compiler schedules
-// (a 2048-wide BF16 row is 8 per lane; moe_down's warps take 4 rows of an expert at once
+// (a 2048-wide BF16 row is 8 per lane; moe_down's warps take 2 or 4 rows of an expert at once
 // for that). 16 per lane took ~130 registers and halved the blocks per SM.
 constexpr int kLoads = 8;
 constexpr int kGemvRows = 1;
@@ -768,9 +768,9 @@ namespace {
 // moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per
 // SM. The launch takes the one whose grid is the largest that fits one wave (4 blocks per SM),
 // else the smallest: measured end to end on the H200 (docs/benchmarks.md), the grid that fills one
-// wave won both ways -- NR 2 (512 blocks) at Mixtral's D = 4096, K = 2 by 10% per token, NR 4 (512
-// blocks) at OLMoE's / Qwen3-30B-A3B's D = 2048, K = 8 by 2-3%. TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4
-// (A/B; set_moe_down_variant).
+// wave won both ways -- NR 2 (512 blocks) at Mixtral's D = 4096, K = 2 (7.99 against 8.09 ms per
+// token), NR 4 (512 blocks) at OLMoE's / Qwen3-30B-A3B's D = 2048, K = 8 by 2-3%.
+// TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4 (A/B; set_moe_down_variant).
 using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int);
 constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4>, kDown4 = moe_down_kernel<4, 2, 4>;
 int g_moe_down_variant = 0;
@@ -783,10 +783,10 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
                      int K, int D, int F, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
   if (K < 1 || K > kRouteMaxK) return cudaErrorInvalidValue;
-  auto blocks = [&](int nr) { return (D + nr * std::max(1, kWarps / K) - 1) / (nr * std::max(1, kWarps / K)) * T; };
-  const int wave = 4 * sm_count();
-  const bool two = g_moe_down_variant == 1 || (g_moe_down_variant == 0 && blocks(2) <= wave);
-  const int R = (two ? 2 : 4) * std::max(1, kWarps / K);
+  const int groups = std::max(1, kWarps / K);  // groups of NR rows per block (K jobs each): R = NR * groups
+  const int blocks_of_two = (D + 2 * groups - 1) / (2 * groups) * T;
+  const bool two = g_moe_down_variant == 1 || (g_moe_down_variant == 0 && blocks_of_two <= 4 * sm_count());
+  const int R = (two ? 2 : 4) * groups;
   return launch(two ? kDown2 : kDown4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F,
                 R);
 }

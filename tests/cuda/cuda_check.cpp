@@ -96,6 +96,11 @@ struct Dev {
   }
 };
 
+// One page of the CUDA backend's KV pool: K and V, every layer, kKvPageRows rows of BF16.
+size_t kv_page_bytes(const ModelConfig& c) {
+  return size_t(2 * 2) * c.num_layers * cu::kKvPageRows * c.num_kv_heads * c.head_dim;
+}
+
 double rel(const std::vector<float>& a, const std::vector<float>& b) { return test::rel_l2(a.data(), b.data(), b.size()); }
 
 std::string fmt(const char* f, auto... a) {
@@ -1144,7 +1149,7 @@ void check_model_sampling(const std::string& name, const ModelWeights& w, Backen
 void check_page_pool(const ModelWeights& w, Backend& gpu, const std::vector<int32_t>& prompt) {
   const ModelConfig& c = w.cfg;
   CudaBackendOptions o;
-  o.kv_cache_bytes = size_t(4) * 2 * 2 * c.num_layers * cu::kKvPageRows * c.num_kv_heads * c.head_dim;
+  o.kv_cache_bytes = 4 * kv_page_bytes(c);
   auto small = make_cuda_backend(w, o);
   std::vector<int32_t> a(3 * cu::kKvPageRows), b(100);
   for (size_t i = 0; i < a.size(); ++i) a[i] = prompt[i % prompt.size()];
@@ -1370,8 +1375,7 @@ int profile_main(int argc, char** argv) {
   const ModelConfig cfg = parse_config(test::read_file(config), config);
   // A pool for this one sequence: the default takes the free memory, which ncu's kernel replay needs.
   CudaBackendOptions o;
-  o.kv_cache_bytes = size_t(ctx / cu::kKvPageRows + 2) * 2 * 2 * cfg.num_layers * cu::kKvPageRows * cfg.num_kv_heads *
-                     cfg.head_dim;
+  o.kv_cache_bytes = size_t(ctx / cu::kKvPageRows + 2) * kv_page_bytes(cfg);
   auto b = make_cuda_backend_dummy(cfg, o);
   auto cache = b->new_cache();
   std::vector<int32_t> prompt(static_cast<size_t>(ctx));
