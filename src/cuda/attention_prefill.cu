@@ -59,12 +59,17 @@ __device__ __forceinline__ float split_pair(float x, float y, uint32_t& hi, uint
   return SPLIT ? h + (__bfloat162float(lx) + __bfloat162float(ly)) : h;
 }
 
-// grid (ceil(T / (kRows / G)), Hkv), kThreads threads, smem_bytes(DH) dynamic shared memory.
-// Block row r = token t0 + r / G, head kvh * G + r % G (rows past the block's tokens: padding).
+// grid (ceil(T / (kRows / G)), Hkv, n_splits), kThreads threads, smem_bytes(DH) dynamic shared
+// memory. Block row r = token t0 + r / G, head kvh * G + r % G (rows past the block's tokens:
+// padding). With key splits (gridDim.z = n_splits > 1) block z takes keys [z * len, (z + 1) * len),
+// len = its keys (0 .. its last query's position) / n_splits rounded up to whole tiles -- computed
+// here, so a captured launch stays valid while a sequence grows, and each query tile splits its own
+// keys -- and writes its rows' (max, sum, unnormalized output) to partial[T, H, n_splits, Dh + 2]
+// (attention_merge_splits's layout: the max in natural-log units) instead of out.
 template <int DH, bool SPLIT_P>
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
-    float* __restrict__ out, const float* __restrict__ q, KvPages kv, const int32_t* __restrict__ pos, int T, int H,
-    int Hkv, int G, float scale_log2) {
+    float* __restrict__ out, float* __restrict__ partial, const float* __restrict__ q, KvPages kv,
+    const int32_t* __restrict__ pos, int T, int H, int Hkv, int G, float scale_log2) {
   constexpr int LD = smem_ld(DH), KC = DH / 16, NT = kTileK / 8, DT = DH / 8, NG = kGroupN;
   static_assert(DT % NG == 0 && NG % 2 == 0);
   extern __shared__ __align__(16) __nv_bfloat16 smem[];
@@ -97,22 +102,25 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
       }
   }
   const int p_lo = pos[t0], n_keys = pos[t0 + nt - 1] + 1;  // positions non-decreasing
-  const int n_tiles = (n_keys + kTileK - 1) / kTileK;
+  // This block's keys [k_begin, k_end): all n_keys, or its split's share (maybe none).
+  const int n_splits = gridDim.z, split_len = ((n_keys + n_splits - 1) / n_splits + kTileK - 1) / kTileK * kTileK;
+  const int k_begin = int(blockIdx.z) * split_len, k_end = min(n_keys, k_begin + split_len);
+  const int first_tile = k_begin / kTileK, n_tiles = max(0, (k_end - k_begin + kTileK - 1) / kTileK);
 
   auto load_tile = [&](int tile, int stage) {
-    const int k0 = tile * kTileK;
+    const int k0 = (first_tile + tile) * kTileK;
     for (int i = threadIdx.x; i < kTileK * DH / 8; i += kThreads) {
       const int r = i / (DH / 8), c = (i % (DH / 8)) * 8, key = k0 + r;
-      const size_t off = (kv_row(kv.table, min(key, n_keys - 1)) * Hkv + kvh) * DH + c;
-      cp_async16(ks + (stage * kTileK + r) * LD + c, kv.k + off, key < n_keys);
-      cp_async16(vs + (stage * kTileK + r) * LD + c, kv.v + off, key < n_keys);
+      const size_t off = (kv_row(kv.table, min(key, k_end - 1)) * Hkv + kvh) * DH + c;
+      cp_async16(ks + (stage * kTileK + r) * LD + c, kv.k + off, key < k_end);
+      cp_async16(vs + (stage * kTileK + r) * LD + c, kv.v + off, key < k_end);
     }
     cp_async_commit();
   };
 
   float o[DT][4] = {};                          // O rows (lane/4, lane/4 + 8), unnormalized
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's part of the sum
-  load_tile(0, 0);
+  if (n_tiles > 0) load_tile(0, 0);
   for (int it = 0; it < n_tiles; ++it) {
     if (it + 1 < n_tiles) {
       load_tile(it + 1, (it + 1) & 1);
@@ -138,9 +146,10 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
         mma_bf16(s[j], ql[kk + 1], b[2], b[3]);
       }
 
-    // Online softmax in log2 units; the mask only where the tile reaches past the first query.
-    const int k0 = it * kTileK;
-    const bool diagonal = k0 + kTileK - 1 > p_lo;
+    // Online softmax in log2 units; the mask only where the tile reaches past the first query or
+    // past the block's keys.
+    const int k0 = (first_tile + it) * kTileK;
+    const bool diagonal = k0 + kTileK - 1 > p_lo || k0 + kTileK > k_end;
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int j = 0; j < NT; ++j)
@@ -148,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
       for (int e = 0; e < 4; ++e) {
         const int i = e >> 1, key = k0 + 8 * j + 2 * qi + (e & 1);
         float x = s[j][e] * scale_log2;
-        if (diagonal && key > rpos[i]) x = -INFINITY;
+        if (diagonal && (key > rpos[i] || key >= k_end)) x = -INFINITY;
         s[j][e] = x;
         mx[i] = fmaxf(mx[i], x);
       }
@@ -205,6 +214,14 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     const long long off = row_offset(i);
     if (off < 0) continue;
+    if (n_splits > 1) {  // (max in natural-log units, sum, unnormalized output) of this split
+      float* prow = partial + (size_t(off / DH) * n_splits + blockIdx.z) * (DH + 2);
+      if (qi == 0) prow[0] = m[i] * 0.69314718055994531f, prow[1] = l[i];  // -inf stays -inf: no visible key
+#pragma unroll
+      for (int dn = 0; dn < DT; ++dn)
+        *reinterpret_cast<float2*>(prow + 2 + 8 * dn + 2 * qi) = make_float2(o[dn][2 * i], o[dn][2 * i + 1]);
+      continue;
+    }
     float* orow = out + off + 2 * qi;
 #pragma unroll
     for (int dn = 0; dn < DT; ++dn)
@@ -213,17 +230,18 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
 }
 
 template <int DH, bool SPLIT_P>
-cudaError_t launch_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv,
-                           cudaStream_t s) {
+cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
+                           int Hkv, int n_splits, cudaStream_t s) {
   // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
   static const cudaError_t opt_in = cudaFuncSetAttribute(
       attention_prefill_kernel<DH, SPLIT_P>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
   if (opt_in != cudaSuccess) return opt_in;
   const int G = H / Hkv, TQ = kRows / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
-  attention_prefill_kernel<DH, SPLIT_P><<<dim3((T + TQ - 1) / TQ, Hkv), kThreads, smem_bytes(DH), s>>>(
-      out, q, kv, pos, T, H, Hkv, G, scale_log2);
-  return cudaGetLastError();
+  attention_prefill_kernel<DH, SPLIT_P><<<dim3((T + TQ - 1) / TQ, Hkv, n_splits), kThreads, smem_bytes(DH), s>>>(
+      out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess || n_splits == 1) return e;
+  return attention_merge_splits(out, partial, T, H, DH, n_splits, s);
 }
 
 }  // namespace
@@ -233,14 +251,15 @@ bool attention_prefill_supported(int H, int Hkv, int Dh) {
 }
 
 cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
-                              bool split_p, cudaStream_t s) {
-  if (!attention_prefill_supported(H, Hkv, Dh) || T < 0) return cudaErrorInvalidValue;
+                              bool split_p, cudaStream_t s, float* partial, int n_splits) {
+  if (!attention_prefill_supported(H, Hkv, Dh) || T < 0 || n_splits < 1 || n_splits > 65535 || (n_splits > 1 && !partial))
+    return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   if (Dh == 64)
-    return split_p ? launch_prefill<64, true>(out, q, kv, pos, T, H, Hkv, s)
-                   : launch_prefill<64, false>(out, q, kv, pos, T, H, Hkv, s);
-  return split_p ? launch_prefill<128, true>(out, q, kv, pos, T, H, Hkv, s)
-                 : launch_prefill<128, false>(out, q, kv, pos, T, H, Hkv, s);
+    return split_p ? launch_prefill<64, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s)
+                   : launch_prefill<64, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+  return split_p ? launch_prefill<128, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s)
+                 : launch_prefill<128, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
 }
 
 }  // namespace tiermoe::cuda

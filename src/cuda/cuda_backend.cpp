@@ -85,16 +85,24 @@ struct DLayer {
 };
 
 // Prompt attention over cache rows already appended, the kernel chosen here alone: the tensor-core
-// one (attention_prefill) where it applies and is on, else the split kernel, whose partial[T, H,
-// n_splits, Dh + 2] scratch only it uses.
+// one (attention_prefill) where it applies and is on, else the split kernel. n_splits * split_len
+// covers the keys; partial[T, H, n_splits, Dh + 2] is scratch for either.
 struct PromptAttention {
   bool flash = true, split_p = true;
+  bool key_splits = true;  // the tensor-core kernel's key splits where its blocks are few
+  int sms = 0;             // the GPU's multiprocessors
   void operator()(float* out, const float* q, cuda::KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
                   int n_splits, int split_len, float* partial, cudaStream_t s) const {
-    if (flash && cuda::attention_prefill_supported(H, Hkv, Dh))
-      CUDA_CK(cuda::attention_prefill(out, q, kv, pos, T, H, Hkv, Dh, split_p, s));
-    else
+    if (flash && cuda::attention_prefill_supported(H, Hkv, Dh)) {
+      // (query tile, KV head) blocks fewer than two per SM (G = 1 with few KV heads: OLMoE's 16
+      // heads and a 512-token chunk make 128 blocks on 132 SMs): cut the keys so that there are,
+      // at least 512 keys per split, at most n_splits (the scratch's size).
+      const int keys = n_splits * split_len, blocks = (T + 64 / (H / Hkv) - 1) / (64 / (H / Hkv)) * Hkv;
+      const int splits = key_splits && blocks < 2 * sms ? std::min({(2 * sms + blocks - 1) / blocks, keys / 512, n_splits}) : 1;
+      CUDA_CK(cuda::attention_prefill(out, q, kv, pos, T, H, Hkv, Dh, split_p, s, partial, std::max(splits, 1)));
+    } else {
       CUDA_CK(cuda::attention(out, q, kv, pos, T, H, Hkv, Dh, n_splits, split_len, partial, s));
+    }
   }
 };
 
@@ -257,6 +265,7 @@ class CudaBackend final : public Backend {
     if (const char* e = std::getenv("TIERMOE_CUDA_FLASH_P")) opts_.flash_split_p = std::atoi(e) != 1;  // 1: P in BF16
     if (const char* e = std::getenv("TIERMOE_CUDA_MOE_GEMM"); e && e[0] == '0') opts_.pipelined_moe_gemm = false;
     prompt_attention_ = {opts_.flash_attention, opts_.flash_split_p};
+    if (const char* e = std::getenv("TIERMOE_CUDA_FLASH_SPLITS"); e && e[0] == '0') prompt_attention_.key_splits = false;
     if (const char* e = std::getenv("TIERMOE_CUDA_CHUNK")) opts_.max_chunk = std::clamp(std::atoi(e), 1, 1 << 16);
     read_switches();
     const char* pdl = std::getenv("TIERMOE_CUDA_PDL");
@@ -270,6 +279,7 @@ class CudaBackend final : public Backend {
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
     CUDA_CK(cudaSetDevice(0));
+    CUDA_CK(cudaDeviceGetAttribute(&prompt_attention_.sms, cudaDevAttrMultiProcessorCount, 0));
     CUDA_CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUBLAS_CK(cublasCreate(&blas_));
     CUBLAS_CK(cublasSetStream(blas_, stream_));

@@ -804,6 +804,11 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
   attention_split_kernel<<<dim3(H, n_splits, T), kAttnWarps * 32, 0, s>>>(partial, q, kv, pos, H, Hkv, Dh, split_len);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
+  return attention_merge_splits(out, partial, T, H, Dh, n_splits, s);
+}
+
+cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
   attention_combine_kernel<<<T * H, Dh < 128 ? 32 : 128, 0, s>>>(out, partial, n_splits, Dh);
   return cudaGetLastError();
 }

@@ -152,15 +152,22 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 
 // Prompt attention on the tensor cores (attention_prefill.cu), flash-style: the function of
 // attention() for T queries at non-decreasing positions pos[T], query t over cache rows 0 .. pos[t]
-// (written before, by kv_append), q[T, H, Dh] -> out[T, H, Dh], no scratch. One block per (tile of
-// query tokens, KV head): the G = H / Hkv heads of a KV head share every K/V tile read. Q enters the
+// (written before, by kv_append), q[T, H, Dh] -> out[T, H, Dh]. One block per (tile of query
+// tokens, KV head): the G = H / Hkv heads of a KV head share every K/V tile read. Q enters the
 // BF16 MMAs as hi + lo parts (FP32-level scores); P (the softmax weights) as hi + lo (split_p) or
-// rounded to BF16 once. Deterministic. Only where attention_prefill_supported(): G in
-// 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere attention() is the fallback.  twin: attention_causal
+// rounded to BF16 once. With n_splits > 1 each query tile's keys are cut into n_splits shares of
+// whole 64-key tiles (some maybe empty), a block per (tile, KV head, split), merged by
+// attention_merge_splits through partial[T, H, n_splits, Dh + 2]: more blocks when (tile, KV head)
+// blocks are few (G = 1 with few KV heads, short chunks over long contexts). Deterministic. Only
+// where attention_prefill_supported(): G in 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere
+// attention() is the fallback.  twin: attention_causal
 constexpr int kPrefillMaxG = 8;
 bool attention_prefill_supported(int H, int Hkv, int Dh);
 cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
-                              bool split_p, cudaStream_t s);
+                              bool split_p, cudaStream_t s, float* partial = nullptr, int n_splits = 1);
+// out[T, H, Dh] from the splits' (max, sum, unnormalized output) in partial[T, H, n_splits, Dh + 2]
+// (the max in natural-log units; -inf: a split with no visible key).  twin: the online softmax's merge
+cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s);
 
 // Decode attention in one launch (attention_decode.cu), for T <= kGemvMaxT new tokens of one
 // sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]

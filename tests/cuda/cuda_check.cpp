@@ -666,6 +666,20 @@ void check_attention_prefill() {
       dout.poison();
       CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, false, 0));
       report(name + " P bf16", rel(dout.get(), h.ref), 5e-3);  // one BF16 rounding of P: measured <= 1.6e-3
+      // Key splits (merged by attention_merge_splits): 2, 3, and 40 (more shares than a short
+      // context has tiles: empty splits, -inf partials), twice (same bits).
+      for (int splits : {2, 3, 40}) {
+        Dev<float> part(size_t(c.T) * c.H * splits * (c.Dh + 2));
+        dout.poison();
+        CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0, part.p, splits));
+        const auto split_out = dout.get();
+        dout.poison();
+        CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0, part.p, splits));
+        const bool again = std::memcmp(split_out.data(), dout.get().data(), split_out.size() * 4) == 0;
+        report(name + fmt(" P hi+lo, %d key splits", splits), rel(split_out, h.ref), 1e-5,
+               again ? "rerun bit-identical" : "rerun DIFFERS");
+        if (!again) ++g_fail;
+      }
     });
   }
   // Shapes it does not take (the backend falls back to attention()): refused, not miscomputed.
@@ -674,7 +688,11 @@ void check_attention_prefill() {
     refused = refused && !cu::attention_prefill_supported(c.H, c.Hkv, c.Dh) &&
               cu::attention_prefill(nullptr, nullptr, cu::KvPages{}, nullptr, c.T, c.H, c.Hkv, c.Dh, true, 0) ==
                   cudaErrorInvalidValue;
-  report("attention_prefill refuses Dh 96, 256, 16 and G=16", refused ? 0.0 : 1.0, 0.0);
+  // Key splits without scratch, or none: refused.
+  for (int splits : {2, 0})
+    refused = refused && cu::attention_prefill(nullptr, nullptr, cu::KvPages{}, nullptr, 16, 8, 8, 64, true, 0, nullptr,
+                                               splits) == cudaErrorInvalidValue;
+  report("attention_prefill refuses Dh 96, 256, 16, G=16, and bad key splits", refused ? 0.0 : 1.0, 0.0);
 }
 
 // Prompt attention of a last 512-token chunk (keys 0 .. past + 511), each kernel timed over 20
@@ -700,10 +718,13 @@ void attention_timing(int past, int H, int Hkv, int Dh) {
     return time_us([&] { return cu::attention_prefill(out.p, q.p, kv, pos.p, T, H, Hkv, Dh, split_p, 0); });
   };
   const double us_split = flash(true), us_one = flash(false);
+  const double us_keys2 = time_us([&] {  // two key splits, as the backend takes when blocks are few
+    return cu::attention_prefill(out.p, q.p, kv, pos.p, T, H, Hkv, Dh, true, 0, part.p, 2);
+  });
   const double flop = 4.0 * T * H * Dh * (past + (T + 1) / 2.0);  // QK^T and PV, causal
   std::printf("prompt attention T=%d past=%d H=%d Hkv=%d Dh=%d: split kernel %.1f us, tensor cores P hi+lo %.1f us "
-              "(%.0f TFLOP/s useful), P bf16 %.1f us\n",
-              T, past, H, Hkv, Dh, us_old, us_split, flop / us_split * 1e-6, us_one);
+              "(%.0f TFLOP/s useful), P bf16 %.1f us, P hi+lo in 2 key splits %.1f us\n",
+              T, past, H, Hkv, Dh, us_old, us_split, flop / us_split * 1e-6, us_one, us_keys2);
 }
 
 // The one-launch decode attention: its cache writes and its output against kv_append +
