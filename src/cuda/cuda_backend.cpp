@@ -275,6 +275,7 @@ class CudaBackend final : public Backend {
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
+    if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) tc_decode_keys_ = std::max(0, std::atoi(e));
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
@@ -423,6 +424,14 @@ class CudaBackend final : public Backend {
   const int32_t **tables_ = nullptr, **h_tables_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
+  // Decode attention of one sequence on the tensor cores (attention_prefill with key splits, the new
+  // rows appended by qk_norm_rope) from this many keys on (TIERMOE_CUDA_DECODE_TC=N; 0: never).
+  int tc_decode_keys_ = 0;
+  bool tc_decode(const std::vector<Piece>& pieces) const {
+    return tc_decode_keys_ > 0 && pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT &&
+           pieces[0].cache->length() + pieces[0].n >= tc_decode_keys_ &&
+           cuda::attention_prefill_supported(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
+  }
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
@@ -458,6 +467,7 @@ class CudaBackend final : public Backend {
   struct GraphKey {
     const void* table = nullptr;
     int n_splits = 0, n_logits = 0, batch = 1;
+    bool tc_attention = false;  // decode attention on the tensor cores (tc_decode())
     auto operator<=>(const GraphKey&) const = default;
   };
   std::map<GraphKey, cudaGraphExec_t> graphs_;
@@ -763,10 +773,14 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       CUDA_CK(cuda::clamp(k_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
       CUDA_CK(cuda::clamp(v_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
     }
+    const bool tc = tc_decode(pieces);  // the rows appended here, attention from the cache alone
     CUDA_CK(cuda::qk_norm_rope(q_, k_, L.q_norm, L.k_norm, cfg_.qk_norm == QkNorm::Full, pos_, T, H, Hkv, Dh, eps,
-                               cfg_.rope_theta, stream_));
+                               cfg_.rope_theta, stream_, tc ? pieces[0].cache->kv(l) : cuda::KvPages{}, v_));
     const size_t B = pieces.size();
-    if (batch_splits_ > 0) {  // B sequences, one token each: one launch
+    if (tc) {
+      CUDA_CK(cuda::attention_prefill(att_, q_, pieces[0].cache->kv(l), pos_, T, H, Hkv, Dh, true, stream_, partial_,
+                                      pieces[0].n_splits));
+    } else if (batch_splits_ > 0) {  // B sequences, one token each: one launch
       CUDA_CK(cuda::attention_decode_batch(att_, q_, pool().k(l), pool().v(l), tables_, k_, v_, pos_,
                                            int(B), H, Hkv, Dh, batch_splits_, partial_, split_counters_, stream_));
     } else for (size_t t = 0; const Piece& p : pieces) {
@@ -898,7 +912,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
   // so one-off batch sizes stay eager (and cuBLAS has run eagerly before any capture).
   const bool decode_batch = B > 1 && batch_splits_ > 0 && n_logits == B;
   GraphKey key{nullptr, batch_splits_, n_logits, B};
-  if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits};
+  if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces)};
   bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
   if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;
   if (graph) {

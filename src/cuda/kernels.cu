@@ -70,8 +70,10 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
 // grid (segments, T): a segment is one head (norm per head, or no norm), or with `full` all heads
 // of q or of k (norm over the whole projection, which one block must see); q's segments first.
 // A thread per rotated pair where the block allows. RMSNorm over the segment, then RoPE, in place.
+// With kv.table, k's segments also write their rotated keys and the values v to cache row pos[t].
 __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const float* kn, bool full,
-                                    const int32_t* pos, int H, int Hkv, int Dh, float eps, float theta) {
+                                    const int32_t* pos, int H, int Hkv, int Dh, float eps, float theta, KvPages kv,
+                                    const float* vin) {
   pdl_wait();
   pdl_launch_dependents();
   const int seg = blockIdx.x, t = blockIdx.y, half = Dh / 2;
@@ -104,6 +106,16 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     const float a = nw ? r[j] * inv * nw[wj] : r[j], b = nw ? r[j + half] * inv * nw[wj + half] : r[j + half];
     r[j] = a * cs - b * sn;
     r[j + half] = b * cs + a * sn;
+    if (!is_q && kv.table) {
+      const size_t at = kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh + size_t(full ? 0 : seg - q_segs) * Dh + h * Dh;
+      reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j] = __float2bfloat16_rn(r[j]);
+      reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j + half] = __float2bfloat16_rn(r[j + half]);
+    }
+  }
+  if (!is_q && kv.table) {  // the segment's values, as they are
+    const size_t first = size_t(full ? 0 : seg - q_segs) * Dh, row = kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh;
+    for (int i = threadIdx.x; i < len; i += blockDim.x)
+      reinterpret_cast<__nv_bfloat16*>(kv.v)[row + first + i] = __float2bfloat16_rn(vin[size_t(t) * Hkv * Dh + first + i]);
   }
 }
 
@@ -647,13 +659,15 @@ cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, f
 }
 
 cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k_norm, bool full, const int32_t* pos,
-                         int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s) {
-  if ((q_norm == nullptr) != (k_norm == nullptr) || Dh % 2 != 0) return cudaErrorInvalidValue;
+                         int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s, KvPages append,
+                         const float* v) {
+  if ((q_norm == nullptr) != (k_norm == nullptr) || Dh % 2 != 0 || (append.table && !v)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   full = full && q_norm;
   const int segs = full ? 2 : H + Hkv, pairs = (full ? H : 1) * Dh / 2;
   const int threads = std::min(1024, std::max(32, (pairs + 31) / 32 * 32));
-  return launch(qk_norm_rope_kernel, dim3(segs, T), threads, 0, s, q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta);
+  return launch(qk_norm_rope_kernel, dim3(segs, T), threads, 0, s, q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta,
+                append, v);
 }
 
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s) {

@@ -19,6 +19,17 @@ constexpr int kRouteMaxE = 256;   // route_topk(): experts per token at most
 constexpr int kRouteMaxK = 32;    // route_topk(), moe_route(), moe_down(): top-k at most
 constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
 
+// The paged KV cache. Per layer one pool of pages for all sequences, K and V each [pages,
+// kKvPageRows, Hkv, Dh] BF16; a sequence's page table maps its row pos to pool row
+// table[pos / kKvPageRows] * kKvPageRows + pos % kKvPageRows. One page holds one tile of the
+// attention kernels at Dh 128.
+constexpr int kKvPageRows = 64;
+struct KvPages {  // one sequence in one layer's pool
+  bf16* k = nullptr;               // the layer's K pool
+  bf16* v = nullptr;               // its V pool
+  const int32_t* table = nullptr;  // the sequence's page table, DEVICE memory
+};
+
 // Programmatic dependent launch for the decode kernels (gemv, gemv3, qk_norm_rope,
 // attention_decode, moe_route, moe_gate_up, moe_down): see dependent_launch.cuh. Off here by default;
 // the CUDA backend turns it on (TIERMOE_CUDA_PDL=0 keeps it off).
@@ -35,9 +46,12 @@ cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, f
 
 // q[T, H, Dh] and k[T, Hkv, Dh] in place: RMSNorm (when q_norm/k_norm are given: per head, weights
 // [Dh], or over the whole projection when `full`, weights [H*Dh] / [Hkv*Dh]), then RoPE at pos[T],
-// in one launch.                                                  twin: rmsnorm + rope
+// in one launch. With append.table: also the cache's rows pos[t] <- the rotated k[t] and v[t]
+// [T, Hkv, Dh] in BF16 (what kv_append writes), for attention that reads only the cache.
+//                                                                 twin: rmsnorm + rope (+ kv_append)
 cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k_norm, bool full, const int32_t* pos,
-                         int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s);
+                         int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s, KvPages append = {},
+                         const float* v = nullptr);
 
 // x[T, N] += b[N]                                               twin: add_bias
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s);
@@ -128,17 +142,6 @@ cudaError_t moe_expert_gemm(float* out, const float* in, int div, const bf16* W,
 cudaError_t moe_expert_gemm_bf16(float* out, const bf16* in_hi, const bf16* in_lo, int div, const bf16* W,
                                  const int32_t* rows, const int32_t* tile_expert, int TK, int E, int N, int Kd,
                                  cudaStream_t s);
-
-// The paged KV cache. Per layer one pool of pages for all sequences, K and V each [pages,
-// kKvPageRows, Hkv, Dh] BF16; a sequence's page table maps its row pos to pool row
-// table[pos / kKvPageRows] * kKvPageRows + pos % kKvPageRows. One page holds one tile of the
-// attention kernels at Dh 128.
-constexpr int kKvPageRows = 64;
-struct KvPages {  // one sequence in one layer's pool
-  bf16* k = nullptr;               // the layer's K pool
-  bf16* v = nullptr;               // its V pool
-  const int32_t* table = nullptr;  // the sequence's page table, DEVICE memory
-};
 
 // KV cache row pos[t] <- k[t], v[t] in BF16 (row = Hkv*Dh values).
 cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s);

@@ -101,6 +101,35 @@ size_t kv_page_bytes(const ModelConfig& c) {
   return size_t(2 * 2) * c.num_layers * cu::kKvPageRows * c.num_kv_heads * c.head_dim;
 }
 
+// A paged KV pool (kernels.h, KvPages) for the cache-writing and attention cases: sequences get pages in a shuffled
+// order (a kernel that reads row pos at pos * row, ignoring its page table, reads another
+// sequence's or a poisoned row), and every pool row no sequence holds stays poisoned (0xffff), so
+// comparing the whole pool with `want` also catches writes outside a sequence's rows.
+struct PagedKv {
+  int row;
+  std::vector<int32_t> free_pages;
+  std::vector<uint16_t> k, v;  // the pool as it should be: [pages, kKvPageRows, row]
+  PagedKv(int row_, int pages) : row(row_), k(size_t(pages) * cu::kKvPageRows * row_, 0xffff), v(k) {
+    for (int p = 0; p < pages; ++p) free_pages.push_back(p);
+    std::shuffle(free_pages.begin(), free_pages.end(), rng);
+  }
+  static int pages_for(int rows) { return (rows + cu::kKvPageRows - 1) / cu::kKvPageRows; }
+  // A page table for `rows` rows (none written).
+  std::vector<int32_t> table(int rows) {
+    std::vector<int32_t> t(free_pages.end() - pages_for(rows), free_pages.end());
+    free_pages.resize(free_pages.size() - t.size());
+    return t;
+  }
+  // Rows [first, first + n) of a sequence <- kb, vb [n, row].
+  void put(const std::vector<int32_t>& t, int first, int n, const uint16_t* kb, const uint16_t* vb) {
+    for (int r = first; r < first + n; ++r) {
+      const size_t at = (size_t(t[r / cu::kKvPageRows]) * cu::kKvPageRows + r % cu::kKvPageRows) * row;
+      std::copy_n(kb + size_t(r - first) * row, row, k.begin() + at);
+      std::copy_n(vb + size_t(r - first) * row, row, v.begin() + at);
+    }
+  }
+};
+
 double rel(const std::vector<float>& a, const std::vector<float>& b) { return test::rel_l2(a.data(), b.data(), b.size()); }
 
 std::string fmt(const char* f, auto... a) {
@@ -190,7 +219,9 @@ void check_rmsnorm_rope_misc() {
     auto q = randn(size_t(r.T) * r.H * r.Dh, 2.f), k = randn(size_t(r.T) * r.Hkv * r.Dh, 2.f);
     auto qn = randn(r.norm == 2 ? r.H * r.Dh : r.Dh), kn = randn(r.norm == 2 ? r.Hkv * r.Dh : r.Dh);
     std::vector<int32_t> pos(r.T);
-    for (auto& p : pos) p = int(rng() % uint32_t(r.maxpos));
+    for (int t = 0; t < r.T; ++t)  // distinct (each is also a cache row below)
+      do pos[t] = int(rng() % uint32_t(r.maxpos));
+      while (std::find(pos.begin(), pos.begin() + t, pos[t]) != pos.begin() + t);
     std::vector<float> rq = q, rk = k;
     if (r.norm == 1) {
       rmsnorm(rq.data(), rq.data(), qn.data(), r.T * r.H, r.Dh, 1e-6f);
@@ -209,6 +240,25 @@ void check_rmsnorm_rope_misc() {
     report(fmt("qk_norm_rope T=%d H=%d Hkv=%d Dh=%d norm=%s theta=%.0e pos<%d", r.T, r.H, r.Hkv, r.Dh,
                r.norm == 0 ? "none" : (r.norm == 1 ? "head" : "full"), r.theta, r.maxpos),
            std::max(rel(dq.get(), rq), rel(dk.get(), rk)), 5e-5);
+    // Again with the cache append (the tensor-core decode path): q and k as before, and the pool
+    // holding exactly bf16(rotated k) and bf16(v) at rows pos[t] (shuffled pages), nothing else.
+    const int row = r.Hkv * r.Dh;
+    PagedKv pool(row, PagedKv::pages_for(r.maxpos) + 2);
+    const auto table = pool.table(r.maxpos);
+    auto v = randn(size_t(r.T) * row);
+    Dev<float> dq2(q), dk2(k), dv(v);
+    Dev<uint16_t> dkc(pool.k), dvc(pool.v);
+    Dev<int32_t> dt(table);
+    CK(cu::qk_norm_rope(dq2.p, dk2.p, r.norm ? dqn.p : nullptr, r.norm ? dkn.p : nullptr, r.norm == 2, dp.p, r.T, r.H,
+                        r.Hkv, r.Dh, 1e-6f, r.theta, 0, cu::KvPages{dkc.p, dvc.p, dt.p}, dv.p));
+    const std::vector<float> k_out = dk2.get();
+    const std::vector<uint16_t> vb = bf16_of(v), kb = bf16_of(k_out);
+    for (int t = 0; t < r.T; ++t)
+      pool.put(table, pos[t], 1, kb.data() + size_t(t) * row, vb.data() + size_t(t) * row);
+    const bool same_qk = dq2.get() == dq.get() && k_out == dk.get();
+    const bool cache_exact = dkc.get() == pool.k && dvc.get() == pool.v;
+    report(fmt("qk_norm_rope+append T=%d H=%d Hkv=%d Dh=%d", r.T, r.H, r.Hkv, r.Dh), same_qk && cache_exact ? 0.0 : 1.0,
+           0.0, fmt("q, k %s; cache %s", same_qk ? "as without" : "DIFFER", cache_exact ? "exact" : "WRONG"));
   }
   {
     const int T = 3, F = 37;
@@ -531,35 +581,6 @@ void moe_gemm_timing(int T, int E, int K, int D, int F) {
               "%.1f us (%.0f TFLOP/s useful)\n",
               T, E, K, D, F, us_old, flop / us_old * 1e-6, us_new, flop / us_new * 1e-6);
 }
-
-// A paged KV pool (kernels.h, KvPages) for the attention cases: sequences get pages in a shuffled
-// order (a kernel that reads row pos at pos * row, ignoring its page table, reads another
-// sequence's or a poisoned row), and every pool row no sequence holds stays poisoned (0xffff), so
-// comparing the whole pool with `want` also catches writes outside a sequence's rows.
-struct PagedKv {
-  int row;
-  std::vector<int32_t> free_pages;
-  std::vector<uint16_t> k, v;  // the pool as it should be: [pages, kKvPageRows, row]
-  PagedKv(int row_, int pages) : row(row_), k(size_t(pages) * cu::kKvPageRows * row_, 0xffff), v(k) {
-    for (int p = 0; p < pages; ++p) free_pages.push_back(p);
-    std::shuffle(free_pages.begin(), free_pages.end(), rng);
-  }
-  static int pages_for(int rows) { return (rows + cu::kKvPageRows - 1) / cu::kKvPageRows; }
-  // A page table for `rows` rows (none written).
-  std::vector<int32_t> table(int rows) {
-    std::vector<int32_t> t(free_pages.end() - pages_for(rows), free_pages.end());
-    free_pages.resize(free_pages.size() - t.size());
-    return t;
-  }
-  // Rows [first, first + n) of a sequence <- kb, vb [n, row].
-  void put(const std::vector<int32_t>& t, int first, int n, const uint16_t* kb, const uint16_t* vb) {
-    for (int r = first; r < first + n; ++r) {
-      const size_t at = (size_t(t[r / cu::kKvPageRows]) * cu::kKvPageRows + r % cu::kKvPageRows) * row;
-      std::copy_n(kb + size_t(r - first) * row, row, k.begin() + at);
-      std::copy_n(vb + size_t(r - first) * row, row, v.begin() + at);
-    }
-  }
-};
 
 // One prompt-attention case: random q[T, H, Dh], k, v (kb, vb: as BF16); the CPU twin's output ref;
 // on the GPU a paged pool (2 spare pages) holding the first `past` rows and the T new rows appended
