@@ -592,23 +592,40 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   }
 }
 
-// grid T*H: merges the splits of one (t, h).
+// grid T*H: merges the splits of one (t, h). The block weighs each split once (w[s] = e^(m_s - M)
+// in shared memory), then every thread sums its output elements over the splits, loads unrolled:
+// a serial loop with an exp per (split, element) took 16 us for 40 splits (ncu, H200).
 __global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh) {
-  const size_t th = blockIdx.x;
-  const float* p = partial + th * n_splits * (Dh + 2);
-  float M = -INFINITY;
-  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, p[size_t(s) * (Dh + 2)]);
-  float L = 0.f;
-  for (int s = 0; s < n_splits; ++s) {
-    const float ms = p[size_t(s) * (Dh + 2)];
-    if (ms != -INFINITY) L += p[size_t(s) * (Dh + 2) + 1] * expf(ms - M);
+  extern __shared__ float w[];  // [n_splits]
+  __shared__ float red[32];
+  pdl_wait();
+  pdl_launch_dependents();
+  const size_t th = blockIdx.x, row = size_t(Dh) + 2;
+  const float* p = partial + th * n_splits * row;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = int(blockDim.x >> 5);
+  float m = -INFINITY;
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) m = fmaxf(m, p[s * row]);
+  m = warp_max(m);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  float M = red[0];
+  for (int i = 1; i < warps; ++i) M = fmaxf(M, red[i]);
+  __syncthreads();
+  float l = 0.f;
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+    const float ms = p[s * row], ws = ms == -INFINITY ? 0.f : expf(ms - M);  // -inf: a split with no visible key
+    w[s] = ws;
+    l += p[s * row + 1] * ws;
   }
+  l = warp_sum(l);
+  if (lane == 0) red[warp] = l;
+  __syncthreads();
+  float L = 0.f;
+  for (int i = 0; i < warps; ++i) L += red[i];
   for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
     float a = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-      const float ms = p[size_t(s) * (Dh + 2)];
-      if (ms != -INFINITY) a += p[size_t(s) * (Dh + 2) + 2 + d] * expf(ms - M);
-    }
+#pragma unroll 8
+    for (int s = 0; s < n_splits; ++s) a = fmaf(p[s * row + 2 + d], w[s], a);
     out[th * Dh + d] = a / L;
   }
 }
@@ -823,8 +840,9 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  attention_combine_kernel<<<T * H, Dh < 128 ? 32 : 128, 0, s>>>(out, partial, n_splits, Dh);
-  return cudaGetLastError();
+  if (size_t(n_splits) * sizeof(float) > 48 * 1024) return cudaErrorInvalidValue;
+  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, size_t(n_splits) * sizeof(float), s, out, partial,
+                n_splits, Dh);
 }
 
 cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s) {
