@@ -27,6 +27,7 @@
 
 #include <cuda_bf16.h>
 
+#include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
 #include "cuda/kernels.h"
 
@@ -86,21 +87,6 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     const int r = warp * 16 + quad + 8 * i, t = r / G;
     return r < TQ * G && t < nt ? (long long)((size_t(t0 + t) * H + size_t(kvh) * G + r % G) * DH) : -1;
   };
-  int rpos[2];  // the rows' query positions (-1: padding)
-  uint32_t qh[KC][4], ql[KC][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const long long off = row_offset(i);
-    rpos[i] = off >= 0 ? pos[t0 + (warp * 16 + quad + 8 * i) / G] : -1;
-#pragma unroll
-    for (int kk = 0; kk < KC; ++kk)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float2 v = make_float2(0.f, 0.f);
-        if (off >= 0) v = *reinterpret_cast<const float2*>(q + off + 16 * kk + 8 * half + 2 * qi);
-        split_pair<true>(v.x, v.y, qh[kk][2 * half + i], ql[kk][2 * half + i]);
-      }
-  }
   const int p_lo = pos[t0], n_keys = pos[t0 + nt - 1] + 1;  // positions non-decreasing
   // This block's keys [k_begin, k_end): all n_keys, or its split's share (maybe none).
   const int n_splits = gridDim.z, split_len = ((n_keys + n_splits - 1) / n_splits + kTileK - 1) / kTileK * kTileK;
@@ -117,10 +103,33 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     }
     cp_async_commit();
   };
+  // Under programmatic launch the kernel before this one may still be writing q and the rows at
+  // positions >= p_lo; pos, the page table and the older rows are from before. A first tile wholly
+  // below p_lo is loaded before the wait (a decode step: every split but the last).
+  const bool early = n_tiles > 0 && (first_tile + 1) * kTileK <= p_lo;
+  if (early) load_tile(0, 0);
+  pdl_wait();
+  pdl_launch_dependents();
+  if (n_tiles > 0 && !early) load_tile(0, 0);
+
+  int rpos[2];  // the rows' query positions (-1: padding)
+  uint32_t qh[KC][4], ql[KC][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const long long off = row_offset(i);
+    rpos[i] = off >= 0 ? pos[t0 + (warp * 16 + quad + 8 * i) / G] : -1;
+#pragma unroll
+    for (int kk = 0; kk < KC; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float2 v = make_float2(0.f, 0.f);
+        if (off >= 0) v = *reinterpret_cast<const float2*>(q + off + 16 * kk + 8 * half + 2 * qi);
+        split_pair<true>(v.x, v.y, qh[kk][2 * half + i], ql[kk][2 * half + i]);
+      }
+  }
 
   float o[DT][4] = {};                          // O rows (lane/4, lane/4 + 8), unnormalized
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's part of the sum
-  if (n_tiles > 0) load_tile(0, 0);
   for (int it = 0; it < n_tiles; ++it) {
     if (it + 1 < n_tiles) {
       load_tile(it + 1, (it + 1) & 1);
@@ -238,9 +247,9 @@ cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages k
   if (opt_in != cudaSuccess) return opt_in;
   const int G = H / Hkv, TQ = kRows / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
-  attention_prefill_kernel<DH, SPLIT_P><<<dim3((T + TQ - 1) / TQ, Hkv, n_splits), kThreads, smem_bytes(DH), s>>>(
-      out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess || n_splits == 1) return e;
+  const cudaError_t e = launch(attention_prefill_kernel<DH, SPLIT_P>, dim3((T + TQ - 1) / TQ, Hkv, n_splits), kThreads,
+                               smem_bytes(DH), s, out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
+  if (e != cudaSuccess || n_splits == 1) return e;
   return attention_merge_splits(out, partial, T, H, DH, n_splits, s);
 }
 
