@@ -85,24 +85,17 @@ struct DLayer {
 };
 
 // Prompt attention over cache rows already appended, the kernel chosen here alone: the tensor-core
-// one (attention_prefill) where it applies and is on, else the split kernel. n_splits * split_len
-// covers the keys; partial[T, H, n_splits, Dh + 2] is scratch for either.
+// one (attention_prefill) where it applies and is on, else the split kernel, whose partial[T, H,
+// n_splits, Dh + 2] scratch only it uses. (Key splits of the tensor-core kernel, 22% faster per
+// launch at OLMoE's 128-block chunks, did not move TTFT: 109.6 vs 109.7 ms at 4096 tokens.)
 struct PromptAttention {
   bool flash = true, split_p = true;
-  bool key_splits = true;  // the tensor-core kernel's key splits where its blocks are few
-  int sms = 0;             // the GPU's multiprocessors
   void operator()(float* out, const float* q, cuda::KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
                   int n_splits, int split_len, float* partial, cudaStream_t s) const {
-    if (flash && cuda::attention_prefill_supported(H, Hkv, Dh)) {
-      // (query tile, KV head) blocks fewer than two per SM (G = 1 with few KV heads: OLMoE's 16
-      // heads and a 512-token chunk make 128 blocks on 132 SMs): cut the keys so that there are,
-      // at least 512 keys per split, at most n_splits (the scratch's size).
-      const int keys = n_splits * split_len, blocks = (T + 64 / (H / Hkv) - 1) / (64 / (H / Hkv)) * Hkv;
-      const int splits = key_splits && blocks < 2 * sms ? std::min({(2 * sms + blocks - 1) / blocks, keys / 512, n_splits}) : 1;
-      CUDA_CK(cuda::attention_prefill(out, q, kv, pos, T, H, Hkv, Dh, split_p, s, partial, std::max(splits, 1)));
-    } else {
+    if (flash && cuda::attention_prefill_supported(H, Hkv, Dh))
+      CUDA_CK(cuda::attention_prefill(out, q, kv, pos, T, H, Hkv, Dh, split_p, s));
+    else
       CUDA_CK(cuda::attention(out, q, kv, pos, T, H, Hkv, Dh, n_splits, split_len, partial, s));
-    }
   }
 };
 
@@ -265,7 +258,6 @@ class CudaBackend final : public Backend {
     if (const char* e = std::getenv("TIERMOE_CUDA_FLASH_P")) opts_.flash_split_p = std::atoi(e) != 1;  // 1: P in BF16
     if (const char* e = std::getenv("TIERMOE_CUDA_MOE_GEMM"); e && e[0] == '0') opts_.pipelined_moe_gemm = false;
     prompt_attention_ = {opts_.flash_attention, opts_.flash_split_p};
-    if (const char* e = std::getenv("TIERMOE_CUDA_FLASH_SPLITS"); e && e[0] == '0') prompt_attention_.key_splits = false;
     if (const char* e = std::getenv("TIERMOE_CUDA_CHUNK")) opts_.max_chunk = std::clamp(std::atoi(e), 1, 1 << 16);
     read_switches();
     const char* pdl = std::getenv("TIERMOE_CUDA_PDL");
@@ -275,12 +267,11 @@ class CudaBackend final : public Backend {
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
-    if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) tc_decode_keys_ = std::max(0, std::atoi(e));
+    if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) opts_.tc_decode_keys = std::max(0, std::atoi(e));
     int n_dev = 0;
     if (const cudaError_t e = cudaGetDeviceCount(&n_dev); e != cudaSuccess || n_dev == 0)
       throw InputError(std::string("CUDA backend: no usable GPU (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
     CUDA_CK(cudaSetDevice(0));
-    CUDA_CK(cudaDeviceGetAttribute(&prompt_attention_.sms, cudaDevAttrMultiProcessorCount, 0));
     CUDA_CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUBLAS_CK(cublasCreate(&blas_));
     CUBLAS_CK(cublasSetStream(blas_, stream_));
@@ -424,12 +415,11 @@ class CudaBackend final : public Backend {
   const int32_t **tables_ = nullptr, **h_tables_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
-  // Decode attention of one sequence on the tensor cores (attention_prefill with key splits, the new
-  // rows appended by qk_norm_rope) from this many keys on (TIERMOE_CUDA_DECODE_TC=N; 0: never).
-  int tc_decode_keys_ = 0;
+  // Decode attention of one sequence on the tensor cores (CudaBackendOptions::tc_decode_keys).
   bool tc_decode(const std::vector<Piece>& pieces) const {
-    return tc_decode_keys_ > 0 && pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT &&
-           pieces[0].cache->length() + pieces[0].n >= tc_decode_keys_ &&
+    return opts_.tc_decode_keys > 0 && cfg_.num_heads >= opts_.tc_decode_min_group * cfg_.num_kv_heads &&
+           pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT &&
+           pieces[0].cache->length() + pieces[0].n >= opts_.tc_decode_keys &&
            cuda::attention_prefill_supported(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
   }
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)

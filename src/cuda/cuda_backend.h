@@ -28,6 +28,14 @@ struct CudaBackendOptions {
   // BF16 once per GEMM) where D and the expert FFN width are multiples of 8; else the first (wmma)
   // kernel, cuda::moe_expert_gemm. TIERMOE_CUDA_MOE_GEMM=0 turns it off (A/B timing).
   bool pipelined_moe_gemm = true;
+  // Batch-1 decode attention on the tensor cores (cuda::attention_prefill with key splits, the new
+  // rows appended by qk_norm_rope) for models with at least tc_decode_min_group query heads per KV
+  // head, from tc_decode_keys keys on (0: never); else cuda::attention_decode. On one H200 it cut a
+  // Qwen3-30B-A3B step (G = 8) at 4096 keys by 18% and at 1024 by 3%, lost 1% at 16 keys, and made
+  // the G = 1 OLMoE shape 8% slower at 4096 (a query row fills 1 of an MMA tile's 16 rows); the
+  // figures are in docs/benchmarks.md. TIERMOE_CUDA_DECODE_TC=N sets tc_decode_keys.
+  int tc_decode_keys = 1024;
+  int tc_decode_min_group = 4;
   uint64_t dummy_seed = 1;   // --load-format dummy
 };
 

@@ -592,11 +592,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   }
 }
 
+// attention_combine_kernel's weights in shared memory: n_splits rounded up to 8 (zeros past it), as
+// nvcc reads them 16 bytes at a time even at the end of the array (memcheck: out of bounds at 2 splits).
+__host__ __device__ constexpr int combine_padded(int n_splits) { return (n_splits + 7) & ~7; }
+
 // grid T*H: merges the splits of one (t, h). The block weighs each split once (w[s] = e^(m_s - M)
 // in shared memory), then every thread sums its output elements over the splits, loads unrolled:
 // a serial loop with an exp per (split, element) took 16 us for 40 splits (ncu, H200).
 __global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh) {
-  extern __shared__ float w[];  // [n_splits]
+  extern __shared__ float w[];  // [combine_padded(n_splits)]
   __shared__ float red[32];
   pdl_wait();
   pdl_launch_dependents();
@@ -612,10 +616,11 @@ __global__ void attention_combine_kernel(float* out, const float* partial, int n
   for (int i = 1; i < warps; ++i) M = fmaxf(M, red[i]);
   __syncthreads();
   float l = 0.f;
-  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
-    const float ms = p[s * row], ws = ms == -INFINITY ? 0.f : expf(ms - M);  // -inf: a split with no visible key
+  for (int s = threadIdx.x; s < combine_padded(n_splits); s += blockDim.x) {
+    const float ms = s < n_splits ? p[s * row] : -INFINITY;
+    const float ws = ms == -INFINITY ? 0.f : expf(ms - M);  // -inf: a split with no visible key (or padding)
     w[s] = ws;
-    l += p[s * row + 1] * ws;
+    if (s < n_splits) l += p[s * row + 1] * ws;
   }
   l = warp_sum(l);
   if (lane == 0) red[warp] = l;
@@ -840,9 +845,9 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  if (size_t(n_splits) * sizeof(float) > 48 * 1024) return cudaErrorInvalidValue;
-  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, size_t(n_splits) * sizeof(float), s, out, partial,
-                n_splits, Dh);
+  const size_t smem = size_t(combine_padded(n_splits)) * sizeof(float);
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;
+  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, smem, s, out, partial, n_splits, Dh);
 }
 
 cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s) {

@@ -1220,10 +1220,12 @@ void check_page_pool(const ModelWeights& w, Backend& gpu, const std::vector<int3
              same ? "bit-identical" : "DIFFER", small->kv_capacity_bytes(), o.kv_cache_bytes));
 }
 
-void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps) {
+// With `variant` (its options named in `name`): prefill and greedy decode only.
+void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps,
+                 const CudaBackendOptions* variant = nullptr) {
   auto w = load_weights(dir);
   const int V = w->cfg.vocab_size, T = int(prompt.size());
-  auto gpu = make_cuda_backend(*w);
+  auto gpu = make_cuda_backend(*w, variant ? *variant : CudaBackendOptions{});
   std::vector<std::vector<uint16_t>> keep;
   round_weights_to_bf16(*w, keep);
   CpuBackendOptions co;
@@ -1261,6 +1263,7 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
          split ? fmt("tokens agree %d/%d (CPU top-2 margin %.4f at the split)", agree, steps, margin_at_split)
                : fmt("tokens agree %d/%d", agree, steps));
   if (split) ++g_fail;
+  if (variant) return;
   check_model_batch(name, *w, *cpu, *gpu, prompt, 3);
   check_model_batch(name, *w, *cpu, *gpu, prompt, 12);
   if (name == "tinymix-code") check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
@@ -1486,6 +1489,9 @@ int main(int argc, char** argv) {
     if (std::filesystem::exists(tiny + "/model-00001-of-00007.safetensors")) {
       Checkpoint ref = Checkpoint::open_file(tiny + "/reference.safetensors");
       check_model("tinymix-code", tiny, test::ints(ref.get("short_ids")), 32);
+      CudaBackendOptions tc;  // its G = 2 takes attention_decode by default
+      tc.tc_decode_keys = 1, tc.tc_decode_min_group = 1;
+      check_model("tinymix-code [decode attention on the tensor cores]", tiny, test::ints(ref.get("short_ids")), 32, &tc);
       // Long context (chunked prefill, split attention) against transformers' FP32 logits.
       const auto ids = test::ints(ref.get("long_ids"));
       const auto positions = test::ints(ref.get("long_positions"));
