@@ -160,8 +160,10 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 // BF16 MMAs as hi + lo parts (FP32-level scores); P (the softmax weights) as hi + lo (split_p) or
 // rounded to BF16 once. With n_splits > 1 each query tile's keys are cut into n_splits shares of
 // whole 64-key tiles (some maybe empty), a block per (tile, KV head, split), merged by
-// attention_merge_splits through partial[T, H, n_splits, Dh + 2]: more blocks when (tile, KV head)
-// blocks are few (G = 1 with few KV heads, short chunks over long contexts). Deterministic. Only
+// attention_merge_splits through partial[T, H, n_splits, Dh + 2]: more blocks where (tile, KV head)
+// blocks are few, as in batch-1 decode (one tile per KV head). A dependent launch: it reads pos,
+// the page table and rows below pos[0] before waiting for the previous kernel, which may write
+// only q and the rows from pos[0] on. Deterministic. Only
 // where attention_prefill_supported(): G in 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere
 // attention() is the fallback.  twin: attention_causal
 constexpr int kPrefillMaxG = 8;
