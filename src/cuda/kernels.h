@@ -163,9 +163,9 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 // attention_merge_splits through partial[T, H, n_splits, Dh + 2]: more blocks where (tile, KV head)
 // blocks are few, as in batch-1 decode (one tile per KV head). A dependent launch: it reads pos,
 // the page table and rows below pos[0] before waiting for the previous kernel, which may write
-// only q and the rows from pos[0] on. Deterministic. Only
-// where attention_prefill_supported(): G in 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere
-// attention() is the fallback.  twin: attention_causal
+// only q and the rows from pos[0] on. Deterministic. Only where attention_prefill_supported(): G
+// in 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere attention() is the fallback.
+//                                                                 twin: attention_causal
 constexpr int kPrefillMaxG = 8;
 bool attention_prefill_supported(int H, int Hkv, int Dh);
 cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
