@@ -742,6 +742,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   const int D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
   const float eps = cfg_.rms_norm_eps;
   CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
+  const bool tc = tc_decode(pieces);  // decode attention on the tensor cores: qk_norm_rope appends the rows
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
     if (T <= cuda::kGemvMaxT) {  // the attention norm folded into the q/k/v GEMV
@@ -763,7 +764,6 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       CUDA_CK(cuda::clamp(k_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
       CUDA_CK(cuda::clamp(v_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
     }
-    const bool tc = tc_decode(pieces);  // the rows appended here, attention from the cache alone
     CUDA_CK(cuda::qk_norm_rope(q_, k_, L.q_norm, L.k_norm, cfg_.qk_norm == QkNorm::Full, pos_, T, H, Hkv, Dh, eps,
                                cfg_.rope_theta, stream_, tc ? pieces[0].cache->kv(l) : cuda::KvPages{}, v_));
     const size_t B = pieces.size();

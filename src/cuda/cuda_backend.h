@@ -53,7 +53,8 @@ double cuda_copy_bandwidth();
 std::string cuda_device_name();
 
 // The KV cache a CUDA backend hands out stores BF16 rows in pages of the backend's pool on the GPU
-// (a full pool is an InputError naming it), so it must not outlive the backend. Its KvCache::append and KvCache::attend take DEVICE
-// pointers (k, v, q and out all in GPU memory), unlike the CPU cache.
+// (a full pool is an InputError naming it), so it must not outlive the backend. Its
+// KvCache::append and KvCache::attend take DEVICE pointers (k, v, q and out all in GPU memory),
+// unlike the CPU cache.
 
 }  // namespace tiermoe

@@ -81,8 +81,11 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
   const bool is_q = seg < q_segs;
   const int heads = full ? (is_q ? H : Hkv) : 1, len = heads * Dh;
   const float* nw = is_q ? qn : kn;
-  float* v = is_q ? q + size_t(t) * H * Dh + size_t(full ? 0 : seg) * Dh
-                  : k + size_t(t) * Hkv * Dh + size_t(full ? 0 : seg - q_segs) * Dh;
+  const size_t first = size_t(full ? 0 : (is_q ? seg : seg - q_segs)) * Dh;  // the segment in its head row
+  float* v = (is_q ? q + size_t(t) * H * Dh : k + size_t(t) * Hkv * Dh) + first;
+  // With the append: the segment's place in cache row pos[t].
+  const bool append = !is_q && kv.table;
+  const size_t cache_at = append ? kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh + first : 0;
   float inv = 1.f;
   if (nw) {
     __shared__ float part[32];
@@ -106,17 +109,15 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     const float a = nw ? r[j] * inv * nw[wj] : r[j], b = nw ? r[j + half] * inv * nw[wj + half] : r[j + half];
     r[j] = a * cs - b * sn;
     r[j + half] = b * cs + a * sn;
-    if (!is_q && kv.table) {
-      const size_t at = kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh + size_t(full ? 0 : seg - q_segs) * Dh + h * Dh;
+    if (append) {
+      const size_t at = cache_at + size_t(h) * Dh;
       reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j] = __float2bfloat16_rn(r[j]);
       reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j + half] = __float2bfloat16_rn(r[j + half]);
     }
   }
-  if (!is_q && kv.table) {  // the segment's values, as they are
-    const size_t first = size_t(full ? 0 : seg - q_segs) * Dh, row = kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh;
+  if (append)  // the segment's values, as they are
     for (int i = threadIdx.x; i < len; i += blockDim.x)
-      reinterpret_cast<__nv_bfloat16*>(kv.v)[row + first + i] = __float2bfloat16_rn(vin[size_t(t) * Hkv * Dh + first + i]);
-  }
+      reinterpret_cast<__nv_bfloat16*>(kv.v)[cache_at + i] = __float2bfloat16_rn(vin[size_t(t) * Hkv * Dh + first + i]);
 }
 
 __global__ void add_bias_kernel(float* x, const float* b, int T, int N) {
