@@ -8,7 +8,7 @@
 // kTileK keys: every K/V tile read serves all kRows rows. Tiles come into shared memory by 16-byte
 // cp.async one tile ahead of use (two stages). S = Q K^T and O += P V run on mma.sync m16n8k16
 // (BF16 in, FP32 accumulate); the softmax is online, in FP32, in registers: warp w owns rows
-// 16w .. 16w+15, a lane two of them (lane / 4 and lane / 4 + 8), the lane's quad the rest of each
+// 16w .. 16w+15 (for T * G <= 16 the warps share 16 rows and split the keys: KEY_WARPS), a lane two of them (lane / 4 and lane / 4 + 8), the lane's quad the rest of each
 // row (the mma accumulator layout), so a row max or sum is two shuffles. The S accumulators become
 // P's A fragments in place (same layout), with no trip through shared memory. Keys past a block's
 // last query position are never read; the causal mask is applied only in the tiles that reach past
@@ -60,33 +60,84 @@ __device__ __forceinline__ float split_pair(float x, float y, uint32_t& hi, uint
   return SPLIT ? h + (__bfloat162float(lx) + __bfloat162float(ly)) : h;
 }
 
-// grid (ceil(T / (kRows / G)), Hkv, n_splits), kThreads threads, smem_bytes(DH) dynamic shared
+// KEY_WARPS: the kWarps warps' (max m in log2 units, sum l, unnormalized O) of the block's 16 rows,
+// each over its share of the keys, merged in shared memory (buf: kWarps * 16 * (DH + 2) floats;
+// the K/V tiles' space, free after the last tile) in warp order, then written as
+// attention_prefill's output or split partial. Every thread of the block calls it.
+template <int DH, class RowOff>
+__device__ void merge_key_warps(float* buf, const float (&o)[DH / 8][4], const float (&m)[2], const float (&l)[2],
+                                RowOff row_off, float* __restrict__ out, float* __restrict__ partial, int n_splits) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, qi = lane & 3;
+  float* wo = buf;                         // [kWarps][16][DH]
+  float* wml = buf + kWarps * 16 * DH;     // [kWarps][16][2]
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = quad + 8 * i;
+    if (qi == 0) wml[(warp * 16 + r) * 2] = m[i], wml[(warp * 16 + r) * 2 + 1] = l[i];
+#pragma unroll
+    for (int dn = 0; dn < DH / 8; ++dn)
+      *reinterpret_cast<float2*>(wo + (warp * 16 + r) * DH + 8 * dn + 2 * qi) = make_float2(o[dn][2 * i], o[dn][2 * i + 1]);
+  }
+  __syncthreads();
+  constexpr int kPerRow = kThreads / 16, kDims = DH / kPerRow;  // threads per row, dims per thread
+  const int r = threadIdx.x / kPerRow, d0 = (threadIdx.x % kPerRow) * kDims;
+  const long long off = row_off(r);
+  if (off < 0) return;
+  float M = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wml[(w * 16 + r) * 2]);
+  const float base = M == -INFINITY ? 0.f : M;  // no visible key in any share: weights 0, no NaN
+  float f[kWarps], L = 0.f;
+  for (int w = 0; w < kWarps; ++w) {
+    f[w] = exp2f(wml[(w * 16 + r) * 2] - base);
+    L += wml[(w * 16 + r) * 2 + 1] * f[w];
+  }
+  float* prow = n_splits > 1 ? partial + (size_t(off / DH) * n_splits + blockIdx.z) * (DH + 2) : nullptr;
+  if (prow && d0 == 0) prow[0] = M * 0.69314718055994531f, prow[1] = L;  // natural-log units, as below
+  for (int d = d0; d < d0 + kDims; ++d) {
+    float a = 0.f;
+    for (int w = 0; w < kWarps; ++w) a = fmaf(wo[(w * 16 + r) * DH + d], f[w], a);
+    if (prow) prow[2 + d] = a;
+    else out[off + d] = a / L;
+  }
+}
+
+// KEY_WARPS (T * G <= 16: a decode step, or a few tokens): the block's 16 rows are shared by its
+// warps, which take a quarter of every key tile each, and merge their (max, sum, O) at the end in
+// shared memory; else each warp owns 16 rows and walks all keys (3 of 4 warps would hold only
+// padding rows at T = 1, G = 8). RW rows per block.
+//
+// grid (ceil(T / (RW / G)), Hkv, n_splits), kThreads threads, smem_bytes(DH) dynamic shared
 // memory. Block row r = token t0 + r / G, head kvh * G + r % G (rows past the block's tokens:
 // padding). With key splits (gridDim.z = n_splits > 1) block z takes keys [z * len, (z + 1) * len),
 // len = its keys (0 .. its last query's position) / n_splits rounded up to whole tiles -- computed
 // here, so a captured launch stays valid while a sequence grows, and each query tile splits its own
 // keys -- and writes its rows' (max, sum, unnormalized output) to partial[T, H, n_splits, Dh + 2]
 // (attention_merge_splits's layout: the max in natural-log units) instead of out.
-template <int DH, bool SPLIT_P>
+template <int DH, bool SPLIT_P, bool KEY_WARPS>
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     float* __restrict__ out, float* __restrict__ partial, const float* __restrict__ q, KvPages kv,
     const int32_t* __restrict__ pos, int T, int H, int Hkv, int G, float scale_log2) {
-  constexpr int LD = smem_ld(DH), KC = DH / 16, NT = kTileK / 8, DT = DH / 8, NG = kGroupN;
+  constexpr int LD = smem_ld(DH), KC = DH / 16, DT = DH / 8, NG = kGroupN;
   static_assert(DT % NG == 0 && NG % 2 == 0);
   extern __shared__ __align__(16) __nv_bfloat16 smem[];
   __nv_bfloat16* ks = smem;                      // [2][kTileK][LD]
   __nv_bfloat16* vs = smem + 2 * kTileK * LD;    // [2][kTileK][LD]
-  const int TQ = kRows / G, kvh = blockIdx.y;
+  constexpr int RW = KEY_WARPS ? 16 : kRows;            // query rows per block
+  constexpr int KW = KEY_WARPS ? kTileK / kWarps : kTileK;  // keys of a tile per warp
+  constexpr int NTW = KW / 8;                               // S column tiles per warp
+  const int TQ = RW / G, kvh = blockIdx.y;
   const int t0 = (gridDim.x - 1 - blockIdx.x) * TQ;  // the longest query tiles start first
   const int nt = min(TQ, T - t0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, qi = lane & 3;
 
-  // This lane's rows i = 0, 1: block row warp * 16 + lane / 4 + 8 i; offset of its [Dh] in q and
-  // out, or -1 for padding (every key masked, nothing written).
-  auto row_offset = [&](int i) -> long long {
-    const int r = warp * 16 + quad + 8 * i, t = r / G;
+  // Block row r's offset of its [Dh] in q and out, or -1 for padding (every key masked, nothing
+  // written). This lane's rows i = 0, 1: block row warp_row0 + lane / 4 + 8 i.
+  auto row_off = [&](int r) -> long long {
+    const int t = r / G;
     return r < TQ * G && t < nt ? (long long)((size_t(t0 + t) * H + size_t(kvh) * G + r % G) * DH) : -1;
   };
+  const int warp_row0 = KEY_WARPS ? 0 : warp * 16, kw0 = KEY_WARPS ? warp * KW : 0;  // the warp's rows, keys
+  auto row_offset = [&](int i) { return row_off(warp_row0 + quad + 8 * i); };
   const int p_lo = pos[t0], n_keys = pos[t0 + nt - 1] + 1;  // positions non-decreasing
   // This block's keys [k_begin, k_end): all n_keys, or its split's share (maybe none).
   const int n_splits = gridDim.z, split_len = ((n_keys + n_splits - 1) / n_splits + kTileK - 1) / kTileK * kTileK;
@@ -117,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const long long off = row_offset(i);
-    rpos[i] = off >= 0 ? pos[t0 + (warp * 16 + quad + 8 * i) / G] : -1;
+    rpos[i] = off >= 0 ? pos[t0 + (warp_row0 + quad + 8 * i) / G] : -1;
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk)
 #pragma unroll
@@ -141,14 +192,14 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     const __nv_bfloat16* kt = ks + (it & 1) * kTileK * LD;
     const __nv_bfloat16* vt = vs + (it & 1) * kTileK * LD;
 
-    // S[16 rows, kTileK keys] = Q K^T, Q as hi + lo. One ldmatrix: keys 8j .. 8j+7, dims of two k-chunks.
-    float s[NT][4] = {};
+    // S[16 rows, KW keys] = Q K^T, Q as hi + lo. One ldmatrix: keys kw0 + 8j .. +7, dims of two k-chunks.
+    float s[NTW][4] = {};
 #pragma unroll
     for (int kk = 0; kk < KC; kk += 2)
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+      for (int j = 0; j < NTW; ++j) {
         uint32_t b[4];
-        ldmatrix_x4(b, kt + (8 * j + (lane & 7)) * LD + 16 * kk + 8 * (lane >> 3));
+        ldmatrix_x4(b, kt + (kw0 + 8 * j + (lane & 7)) * LD + 16 * kk + 8 * (lane >> 3));
         mma_bf16(s[j], qh[kk], b[0], b[1]);
         mma_bf16(s[j], ql[kk], b[0], b[1]);
         mma_bf16(s[j], qh[kk + 1], b[2], b[3]);
@@ -161,10 +212,10 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     const bool diagonal = k0 + kTileK - 1 > p_lo || k0 + kTileK > k_end;
     float mx[2] = {m[0], m[1]};
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int j = 0; j < NTW; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1, key = k0 + 8 * j + 2 * qi + (e & 1);
+        const int i = e >> 1, key = k0 + kw0 + 8 * j + 2 * qi + (e & 1);
         float x = s[j][e] * scale_log2;
         if (diagonal && (key > rpos[i] || key >= k_end)) x = -INFINITY;
         s[j][e] = x;
@@ -182,9 +233,9 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     }
 
     // P as the A fragments of the tile's 16-key chunks, straight from S: chunk c = S tiles 2c, 2c+1.
-    uint32_t ph[kTileK / 16][4], pl[kTileK / 16][4];
+    uint32_t ph[KW / 16][4], pl[KW / 16][4];
 #pragma unroll
-    for (int c = 0; c < kTileK / 16; ++c)
+    for (int c = 0; c < KW / 16; ++c)
 #pragma unroll
       for (int f = 0; f < 4; ++f) {  // fragment register f: row i = f & 1 of S tile 2c + f / 2
         const int i = f & 1;
@@ -197,12 +248,12 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     for (int dn = 0; dn < DT; dn += NG) {
       float pv[NG][4] = {};  // NG independent accumulator chains: consecutive MMAs do not wait on each other
 #pragma unroll
-      for (int c = 0; c < kTileK / 16; ++c) {
-        uint32_t b[NG / 2][4];  // V rows 16c .. 16c+15, dims 8 dn .. 8 (dn + NG) - 1 (ldmatrix.trans: B fragments)
+      for (int c = 0; c < KW / 16; ++c) {
+        uint32_t b[NG / 2][4];  // V rows kw0 + 16c .. +15, dims 8 dn .. 8 (dn + NG) - 1 (ldmatrix.trans: B fragments)
 #pragma unroll
         for (int g = 0; g < NG / 2; ++g)
-          ldmatrix_x4_trans(b[g],
-                            vt + (16 * c + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (dn + 2 * g + (lane >> 4)));
+          ldmatrix_x4_trans(b[g], vt + (kw0 + 16 * c + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
+                                      8 * (dn + 2 * g + (lane >> 4)));
 #pragma unroll
         for (int g = 0; g < NG; ++g) mma_bf16(pv[g], ph[c], b[g / 2][2 * (g & 1)], b[g / 2][2 * (g & 1) + 1]);
         if (SPLIT_P)
@@ -221,36 +272,51 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    const long long off = row_offset(i);
-    if (off < 0) continue;
-    if (n_splits > 1) {  // (max in natural-log units, sum, unnormalized output) of this split
-      float* prow = partial + (size_t(off / DH) * n_splits + blockIdx.z) * (DH + 2);
-      if (qi == 0) prow[0] = m[i] * 0.69314718055994531f, prow[1] = l[i];  // -inf stays -inf: no visible key
+  }
+  if constexpr (KEY_WARPS) {
+    merge_key_warps<DH>(reinterpret_cast<float*>(smem), o, m, l, row_off, out, partial, n_splits);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const long long off = row_offset(i);
+      if (off < 0) continue;
+      if (n_splits > 1) {  // (max in natural-log units, sum, unnormalized output) of this split
+        float* prow = partial + (size_t(off / DH) * n_splits + blockIdx.z) * (DH + 2);
+        if (qi == 0) prow[0] = m[i] * 0.69314718055994531f, prow[1] = l[i];  // -inf stays -inf: no visible key
+#pragma unroll
+        for (int dn = 0; dn < DT; ++dn)
+          *reinterpret_cast<float2*>(prow + 2 + 8 * dn + 2 * qi) = make_float2(o[dn][2 * i], o[dn][2 * i + 1]);
+        continue;
+      }
+      float* orow = out + off + 2 * qi;
 #pragma unroll
       for (int dn = 0; dn < DT; ++dn)
-        *reinterpret_cast<float2*>(prow + 2 + 8 * dn + 2 * qi) = make_float2(o[dn][2 * i], o[dn][2 * i + 1]);
-      continue;
+        *reinterpret_cast<float2*>(orow + 8 * dn) = make_float2(o[dn][2 * i] / l[i], o[dn][2 * i + 1] / l[i]);
     }
-    float* orow = out + off + 2 * qi;
-#pragma unroll
-    for (int dn = 0; dn < DT; ++dn)
-      *reinterpret_cast<float2*>(orow + 8 * dn) = make_float2(o[dn][2 * i] / l[i], o[dn][2 * i + 1] / l[i]);
   }
+}
+
+template <int DH, bool SPLIT_P, bool KEY_WARPS>
+cudaError_t launch_prefill_as(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
+                              int Hkv, int n_splits, cudaStream_t s) {
+  static_assert(size_t(kWarps) * 16 * (DH + 2) * sizeof(float) <= smem_bytes(DH), "merge_key_warps's buffer");
+  // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
+  static const cudaError_t opt_in = cudaFuncSetAttribute(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>,
+                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
+  if (opt_in != cudaSuccess) return opt_in;
+  const int G = H / Hkv, TQ = (KEY_WARPS ? 16 : kRows) / G;
+  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
+  const cudaError_t e = launch(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>, dim3((T + TQ - 1) / TQ, Hkv, n_splits),
+                               kThreads, smem_bytes(DH), s, out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
+  if (e != cudaSuccess || n_splits == 1) return e;
+  return attention_merge_splits(out, partial, T, H, DH, n_splits, s);
 }
 
 template <int DH, bool SPLIT_P>
 cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
-                           int Hkv, int n_splits, cudaStream_t s) {
-  // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
-  static const cudaError_t opt_in = cudaFuncSetAttribute(
-      attention_prefill_kernel<DH, SPLIT_P>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
-  if (opt_in != cudaSuccess) return opt_in;
-  const int G = H / Hkv, TQ = kRows / G;
-  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
-  const cudaError_t e = launch(attention_prefill_kernel<DH, SPLIT_P>, dim3((T + TQ - 1) / TQ, Hkv, n_splits), kThreads,
-                               smem_bytes(DH), s, out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
-  if (e != cudaSuccess || n_splits == 1) return e;
-  return attention_merge_splits(out, partial, T, H, DH, n_splits, s);
+                           int Hkv, int n_splits, bool key_warps, cudaStream_t s) {
+  return key_warps ? launch_prefill_as<DH, SPLIT_P, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s)
+                   : launch_prefill_as<DH, SPLIT_P, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
 }
 
 }  // namespace
@@ -264,11 +330,12 @@ cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int3
   if (!attention_prefill_supported(H, Hkv, Dh) || T < 0 || n_splits < 1 || n_splits > 65535 || (n_splits > 1 && !partial))
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
+  const bool key_warps = T * (H / Hkv) <= 16;
   if (Dh == 64)
-    return split_p ? launch_prefill<64, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s)
-                   : launch_prefill<64, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
-  return split_p ? launch_prefill<128, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s)
-                 : launch_prefill<128, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+    return split_p ? launch_prefill<64, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s)
+                   : launch_prefill<64, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s);
+  return split_p ? launch_prefill<128, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s)
+                 : launch_prefill<128, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s);
 }
 
 }  // namespace tiermoe::cuda

@@ -670,7 +670,10 @@ void check_attention_prefill() {
   for (C c : {C{9, 0, 8, 8, 64}, C{16, 1, 8, 4, 128}, C{63, 300, 16, 4, 128}, C{64, 0, 32, 4, 128},
               C{65, 4095, 8, 1, 64}, C{200, 9000, 4, 2, 128}, C{512, 0, 16, 16, 128}, C{512, 7680, 32, 4, 128},
               C{200, 1, 12, 4, 64}, C{65, 300, 10, 2, 128}, C{37, 4095, 14, 2, 64}, C{100, 1, 6, 1, 128},
-              C{9, 9000, 32, 8, 128}, C{63, 0, 4, 4, 64}, C{16, 4095, 64, 8, 64}, C{512, 300, 16, 4, 64}}) {
+              C{9, 9000, 32, 8, 128}, C{63, 0, 4, 4, 64}, C{16, 4095, 64, 8, 64}, C{512, 300, 16, 4, 64},
+              // T * G <= 16 (decode steps): the block's warps share its rows and split every key tile
+              C{1, 4095, 32, 4, 128}, C{2, 300, 16, 2, 64}, C{1, 9000, 8, 8, 128}, C{3, 63, 20, 4, 128},
+              C{1, 0, 6, 1, 64}, C{16, 100, 4, 4, 64}}) {
     prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kv, auto pos) {
       const std::string name =
           fmt("attention_prefill T=%d past=%d G=%d Hkv=%d Dh=%d", c.T, c.past, c.H / c.Hkv, c.Hkv, c.Dh);
