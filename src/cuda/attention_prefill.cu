@@ -8,8 +8,9 @@
 // kTileK keys: every K/V tile read serves all kRows rows. Tiles come into shared memory by 16-byte
 // cp.async one tile ahead of use (two stages). S = Q K^T and O += P V run on mma.sync m16n8k16
 // (BF16 in, FP32 accumulate); the softmax is online, in FP32, in registers: warp w owns rows
-// 16w .. 16w+15 (for T * G <= 16 the warps share 16 rows and split the keys: KEY_WARPS), a lane two of them (lane / 4 and lane / 4 + 8), the lane's quad the rest of each
-// row (the mma accumulator layout), so a row max or sum is two shuffles. The S accumulators become
+// 16w .. 16w+15 (for T * G <= 16 the warps share 16 rows and split the keys: KEY_WARPS), a lane
+// two of them (lane / 4 and lane / 4 + 8), the lane's quad the rest of each row (the mma
+// accumulator layout), so a row max or sum is two shuffles. The S accumulators become
 // P's A fragments in place (same layout), with no trip through shared memory. Keys past a block's
 // last query position are never read; the causal mask is applied only in the tiles that reach past
 // its first query position (the diagonal ones).
