@@ -33,7 +33,8 @@ struct CudaBackendOptions {
   // head, from tc_decode_keys keys on (0: never); else cuda::attention_decode. On one H200 it cut a
   // Qwen3-30B-A3B step (G = 8) at 4096 keys by 18% and at 1024 by 3%, lost 1% at 16 keys, and made
   // the G = 1 OLMoE shape 8% slower at 4096 (a query row fills 1 of an MMA tile's 16 rows); the
-  // figures are in docs/benchmarks.md. TIERMOE_CUDA_DECODE_TC=N sets tc_decode_keys.
+  // figures are in docs/benchmarks.md. TIERMOE_CUDA_DECODE_TC=N sets tc_decode_keys,
+  // TIERMOE_CUDA_DECODE_TC_MIN_G=N tc_decode_min_group (A/B timing).
   int tc_decode_keys = 1024;
   int tc_decode_min_group = 4;
   uint64_t dummy_seed = 1;   // --load-format dummy
