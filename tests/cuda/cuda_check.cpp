@@ -665,15 +665,10 @@ std::pair<double, double> attention_vs_f64(const PromptAttnHost& h, const std::v
 // default) and rounded to BF16 once; the hi + lo launch twice (same bits). Query tiles of 64 / G
 // tokens: T around and off multiples of the tile, G not dividing 64 (padding rows), the last chunk
 // of an 8192-token context.
-void check_attention_prefill() {
-  struct C { int T, past, H, Hkv, Dh; };
-  for (C c : {C{9, 0, 8, 8, 64}, C{16, 1, 8, 4, 128}, C{63, 300, 16, 4, 128}, C{64, 0, 32, 4, 128},
-              C{65, 4095, 8, 1, 64}, C{200, 9000, 4, 2, 128}, C{512, 0, 16, 16, 128}, C{512, 7680, 32, 4, 128},
-              C{200, 1, 12, 4, 64}, C{65, 300, 10, 2, 128}, C{37, 4095, 14, 2, 64}, C{100, 1, 6, 1, 128},
-              C{9, 9000, 32, 8, 128}, C{63, 0, 4, 4, 64}, C{16, 4095, 64, 8, 64}, C{512, 300, 16, 4, 64},
-              // T * G <= 16 (decode steps): the block's warps share its rows and split every key tile
-              C{1, 4095, 32, 4, 128}, C{2, 300, 16, 2, 64}, C{1, 9000, 8, 8, 128}, C{3, 63, 20, 4, 128},
-              C{1, 0, 6, 1, 64}, C{16, 100, 4, 4, 64}}) {
+struct PrefillCase { int T, past, H, Hkv, Dh; };
+
+void attention_prefill_cases(std::initializer_list<PrefillCase> cases) {
+  for (PrefillCase c : cases) {
     prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kv, auto pos) {
       const std::string name =
           fmt("attention_prefill T=%d past=%d G=%d Hkv=%d Dh=%d", c.T, c.past, c.H / c.Hkv, c.Hkv, c.Dh);
@@ -706,6 +701,15 @@ void check_attention_prefill() {
       }
     });
   }
+}
+
+void check_attention_prefill() {
+  using C = PrefillCase;
+  attention_prefill_cases({C{9, 0, 8, 8, 64}, C{16, 1, 8, 4, 128}, C{63, 300, 16, 4, 128}, C{64, 0, 32, 4, 128},
+                           C{65, 4095, 8, 1, 64}, C{200, 9000, 4, 2, 128}, C{512, 0, 16, 16, 128},
+                           C{512, 7680, 32, 4, 128}, C{200, 1, 12, 4, 64}, C{65, 300, 10, 2, 128},
+                           C{37, 4095, 14, 2, 64}, C{100, 1, 6, 1, 128}, C{9, 9000, 32, 8, 128}, C{63, 0, 4, 4, 64},
+                           C{16, 4095, 64, 8, 64}, C{512, 300, 16, 4, 64}});
   // Shapes it does not take (the backend falls back to attention()): refused, not miscomputed.
   bool refused = true;
   for (C c : {C{16, 0, 8, 8, 96}, C{16, 0, 8, 8, 256}, C{16, 0, 8, 8, 16}, C{16, 0, 32, 2, 128}})
@@ -717,6 +721,14 @@ void check_attention_prefill() {
     refused = refused && cu::attention_prefill(nullptr, nullptr, cu::KvPages{}, nullptr, 16, 8, 8, 64, true, 0, nullptr,
                                                splits) == cudaErrorInvalidValue;
   report("attention_prefill refuses Dh 96, 256, 16, G=16, and bad key splits", refused ? 0.0 : 1.0, 0.0);
+}
+
+// T * G <= 16 (decode steps on the tensor cores): the block's warps share its rows and split every
+// key tile. A group of its own, so that a sanitizer can take just these.
+void check_attention_prefill_decode() {
+  using C = PrefillCase;
+  attention_prefill_cases({C{1, 4095, 32, 4, 128}, C{2, 300, 16, 2, 64}, C{1, 9000, 8, 8, 128}, C{3, 63, 20, 4, 128},
+                           C{1, 0, 6, 1, 64}, C{16, 100, 4, 4, 64}});
 }
 
 // Prompt attention of a last 512-token chunk (keys 0 .. past + 511), each kernel timed over 20
@@ -760,7 +772,7 @@ void check_attention_decode() {
   for (C c : {C{1, 0, 4, 4, 16, 64}, C{1, 1000, 32, 4, 128, 64}, C{7, 33, 4, 2, 16, 8}, C{8, 300, 8, 8, 64, 64},
               C{1, 4095, 16, 16, 128, 64}, C{3, 17, 12, 2, 32, 5}, C{1, 5, 2, 1, 256, 256}, C{2, 9000, 8, 1, 64, 8},
               C{5, 200, 24, 4, 128, 1}, C{1, 63, 8, 2, 128, 64}, C{4, 4093, 32, 4, 128, 1000}, C{1, 3000, 4, 2, 256, 3000},
-              C{1, 700, 16, 16, 128, 512}}) {
+              C{1, 700, 16, 16, 128, 512}, C{6, 29, 16, 16, 128, 256}}) {
     const int n = c.past + c.T, row = c.Hkv * c.Dh;
     auto q = randn(size_t(c.T) * c.H * c.Dh), k = randn(size_t(n) * row), v = randn(size_t(n) * row);
     auto kb = bf16_of(k), vb = bf16_of(v);
@@ -1463,6 +1475,16 @@ void check_attention_decode_late() {
   cu::set_attention_early(true);
 }
 
+// Decode attention again with one tile at a time (set_attention_stages(1)): the path the
+// double-buffered default replaced, kept for A/B timing.
+void check_attention_decode_one_stage() {
+  std::printf("-- attention_decode, attention_decode_batch: one tile at a time --\n");
+  cu::set_attention_stages(1);
+  check_attention_decode();
+  check_attention_decode_batch();
+  cu::set_attention_stages(2);
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
@@ -1480,9 +1502,11 @@ int main(int argc, char** argv) {
         {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
-        {"attention_prefill", check_attention_prefill}, {"attention_decode", check_attention_decode},
+        {"attention_prefill", check_attention_prefill},
+        {"attention_prefill_decode", check_attention_prefill_decode}, {"attention_decode", check_attention_decode},
         {"attention_decode_batch", check_attention_decode_batch},
-        {"attention_decode_late", check_attention_decode_late}, {"sample_tokens", check_sampling}};
+        {"attention_decode_late", check_attention_decode_late},
+        {"attention_decode_one_stage", check_attention_decode_one_stage}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
       if (want(name)) check();
   }
