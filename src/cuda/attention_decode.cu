@@ -38,14 +38,11 @@ __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
 // (one memory round trip), then three phases with independent work for every thread: (A) the
 // scores of all G heads for every key of the tile, (B) per head the tile's max, exp and sum (online
 // softmax across tiles), (C) P V: a thread owns 8 dims of one head for a subset of the keys.
-// STAGES = 2: half-size tiles, the next one loading while this one is computed (the same shared
-// memory): at G = 1 a tile's phases are short, and with one stage each tile waited a whole memory
-// round trip (ncu, OLMoE at 4096 keys: 1.6 TB/s).
-constexpr int kTileElems = 8192;  // BF16 values per K (and per V) buffer: 16 KB each
+constexpr int kTileElems = 8192;  // BF16 values per K (and per V) tile: 16 KB each
 constexpr int kMaxTile = 128;     // keys per tile at most
 constexpr int kThreads = kWarpsPerBlock * 32;
 
-template <int GM, int STAGES>
+template <int GM>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, const int32_t* table, const int32_t* const* __restrict__ tables,
@@ -55,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   const int HG = gridDim.x / Hkv, kvh = blockIdx.x / HG, hg = blockIdx.x % HG;
   const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
   const int G = H / Hkv / HG, h0 = kvh * (H / Hkv) + hg * G, L = Dh / 8, slots = 32 / L;
-  const int tile = min(kMaxTile, kTileElems / STAGES / Dh), stage_elems = kTileElems / STAGES / 8;  // uint4 per stage
+  const int tile = min(kMaxTile, kTileElems / Dh);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
   // With tables (one sequence per token): token t's own page table, its one new key at pos[t], its
   // keys split n_splits ways; else all T tokens are new keys of one sequence at pos[0] ...
@@ -67,38 +64,20 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   const size_t row = size_t(Hkv) * Dh;
 
   __shared__ __align__(16) uint4 ktile[kTileElems / 8], vtile[kTileElems / 8];
-  // K/V rows [t0, t0 + nk) already in the cache (rows of earlier passes) -> stage b, by cp.async.
-  auto load_cached = [&](int t0, int nk, int b) {
+  // K/V rows [t0, t0 + nk) already in the cache (rows of earlier passes) -> the tile, by cp.async.
+  auto load_cached = [&](int t0, int nk) {
     const int cached = max(0, min(nk, first_new - t0));
-    uint4 *kt = ktile + b * stage_elems, *vt = vtile + b * stage_elems;
     for (int i = threadIdx.x; i < cached * L; i += blockDim.x) {
       const size_t off = kv_row(table, t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
-      cp_async16(&kt[i], kc + off, true);
-      cp_async16(&vt[i], vc + off, true);
+      cp_async16(&ktile[i], kc + off, true);
+      cp_async16(&vtile[i], vc + off, true);
     }
     return cached;
-  };
-  // The rest of tile [t0, t0 + nk) after its first `cached` rows: new keys, from k_new / v_new
-  // (plain stores, seen after the next barrier).
-  auto load_new = [&](int t0, int nk, int cached, int b) {
-    uint4 *kt = ktile + b * stage_elems, *vt = vtile + b * stage_elems;
-    for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {
-      const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
-      const float *pk = k_new + src, *pv = v_new + src;
-      uint32_t kw[4], vw[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        kw[j] = pack(__float2bfloat16_rn(pk[2 * j]), __float2bfloat16_rn(pk[2 * j + 1]));
-        vw[j] = pack(__float2bfloat16_rn(pv[2 * j]), __float2bfloat16_rn(pv[2 * j + 1]));
-      }
-      kt[i] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
-      vt[i] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
-    }
   };
   // Before the wait for the previous kernel (q/k norm + RoPE): the first tile's cached rows, which
   // no kernel of this pass writes (pos and the page tables were copied before the
   // pass's first kernel), so under programmatic launch they load while that kernel runs.
-  const int first_cached = early && start < end ? load_cached(start, min(tile, end - start), 0) : -1;
+  const int first_cached = early && start < end ? load_cached(start, min(tile, end - start)) : -1;
   pdl_wait();
   pdl_launch_dependents();
 
@@ -132,35 +111,30 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   __shared__ float mrun[GM], lrun[GM], corr[GM];  // online softmax state per head
   if (threadIdx.x < GM) mrun[threadIdx.x] = -INFINITY, lrun[threadIdx.x] = 0.f;
 
-  if (STAGES == 2 && start < end) {  // the first tile, committed alone: the loop keeps one tile ahead
-    const int nk = min(tile, end - start);
-    load_new(start, nk, first_cached >= 0 ? first_cached : load_cached(start, nk, 0), 0);
-    cp_async_commit();
-  }
-  for (int t0 = start, it = 0; t0 < end; t0 += tile, ++it) {
-    const int nk = min(tile, end - t0), b = STAGES == 2 ? it & 1 : 0;
-    const uint4 *kt = ktile + b * stage_elems, *vt = vtile + b * stage_elems;
-    __syncthreads();  // the previous tile is consumed (with two stages: the buffer the next tile takes)
-    if constexpr (STAGES == 2) {
-      if (t0 + tile < end) {  // the next tile in flight while this one is computed
-        const int nk2 = min(tile, end - t0 - tile);
-        load_new(t0 + tile, nk2, load_cached(t0 + tile, nk2, b ^ 1), b ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
+  for (int t0 = start; t0 < end; t0 += tile) {
+    const int nk = min(tile, end - t0);
+    __syncthreads();  // the previous tile is consumed
+    const int cached = t0 == start && first_cached >= 0 ? first_cached : load_cached(t0, nk);  // already cached
+    for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
+      const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
+      const float *pk = k_new + src, *pv = v_new + src;
+      uint32_t kw[4], vw[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        kw[j] = pack(__float2bfloat16_rn(pk[2 * j]), __float2bfloat16_rn(pk[2 * j + 1]));
+        vw[j] = pack(__float2bfloat16_rn(pv[2 * j]), __float2bfloat16_rn(pv[2 * j + 1]));
       }
-    } else {
-      load_new(t0, nk, t0 == start && first_cached >= 0 ? first_cached : load_cached(t0, nk, 0), 0);
-      cp_async_commit();  // the whole tile in flight at once, one wait
-      cp_async_wait<0>();
+      ktile[i] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+      vtile[i] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
     }
+    cp_async_commit();  // the whole tile in flight at once, one wait
+    cp_async_wait<0>();
     __syncthreads();
     // (A) scores: L lanes per key, all heads at once (independent shuffle chains).
     for (int base = warp * slots; base < nk; base += kWarpsPerBlock * slots) {
       const int j = base + sub;
       float kf[8] = {};
-      if (j < nk) unpack8(kt[j * L + part], kf);
+      if (j < nk) unpack8(ktile[j * L + part], kf);
       float sc[GM];
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
@@ -210,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
       for (int i = 0; i < 8; ++i) a[i] = acc[n_][i] * cg;
       for (int j = kp; j < nk; j += KP) {
         float vf[8];
-        unpack8(vt[j * L + c], vf);
+        unpack8(vtile[j * L + c], vf);
         const float p = S[g][j];
 #pragma unroll
         for (int i = 0; i < 8; ++i) a[i] = fmaf(p, vf[i], a[i]);
@@ -293,7 +267,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 }  // namespace
 
 namespace {
-int g_attention_stages = 2;     // TIERMOE_CUDA_ATTN_STAGES=1: one tile at a time (the before of the A/B)
 bool g_attention_early = true;  // TIERMOE_CUDA_ATTN_EARLY=0: the first tile after the wait, the merge even for one split,
                                 // all G heads of a KV head in one block
 
@@ -308,13 +281,6 @@ int head_groups(int G, int blocks) {
   return hg;
 }
 
-template <int STAGES>
-auto* kernel_for(int G) {
-  return G == 1 ? attention_decode_kernel<1, STAGES>
-                : (G == 2 ? attention_decode_kernel<2, STAGES>
-                          : (G <= 4 ? attention_decode_kernel<4, STAGES> : attention_decode_kernel<8, STAGES>));
-}
-
 cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const int32_t* table,
                                     const int32_t* const* tables, const float* k_new, const float* v_new,
                                     const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
@@ -323,7 +289,8 @@ cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* 
   const int HG = g_attention_early ? head_groups(H / Hkv, Hkv * n_splits * T) : 1, G = H / Hkv / HG;
   const dim3 grid(Hkv * HG, n_splits, T);
   const int threads = kWarpsPerBlock * 32;
-  auto* kernel = g_attention_stages == 2 ? kernel_for<2>(G) : kernel_for<1>(G);
+  auto* kernel = G == 1 ? attention_decode_kernel<1>
+                        : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
   return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, table, tables, k_new, v_new, pos, H,
                 Hkv, Dh, g_attention_early);
 }
@@ -348,7 +315,6 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf1
 }
 
 void set_attention_early(bool on) { g_attention_early = on; }
-void set_attention_stages(int stages) { g_attention_stages = stages == 1 ? 1 : 2; }
 
 bool attention_decode_supported(int H, int Hkv, int Dh) {
   const int G = Hkv > 0 && H % Hkv == 0 ? H / Hkv : 0;

@@ -266,7 +266,6 @@ class CudaBackend final : public Backend {
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
-    if (const char* e = std::getenv("TIERMOE_CUDA_ATTN_STAGES")) cuda::set_attention_stages(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) opts_.tc_decode_keys = std::max(0, std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC_MIN_G")) opts_.tc_decode_min_group = std::max(1, std::atoi(e));

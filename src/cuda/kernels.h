@@ -195,8 +195,6 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf1
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
 // Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
 void set_attention_early(bool on);
-// 2 (the default): each split's tiles double-buffered, half-size; 1: one tile at a time (A/B timing).
-void set_attention_stages(int stages);
 bool attention_decode_supported(int H, int Hkv, int Dh);
 
 // w[n] = uniform(-scale, scale) from a counter hash of (seed, i); for dummy weights.

@@ -1475,16 +1475,6 @@ void check_attention_decode_late() {
   cu::set_attention_early(true);
 }
 
-// Decode attention again with one tile at a time (set_attention_stages(1)): the path the
-// double-buffered default replaced, kept for A/B timing.
-void check_attention_decode_one_stage() {
-  std::printf("-- attention_decode, attention_decode_batch: one tile at a time --\n");
-  cu::set_attention_stages(1);
-  check_attention_decode();
-  check_attention_decode_batch();
-  cu::set_attention_stages(2);
-}
-
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
@@ -1505,8 +1495,7 @@ int main(int argc, char** argv) {
         {"attention_prefill", check_attention_prefill},
         {"attention_prefill_decode", check_attention_prefill_decode}, {"attention_decode", check_attention_decode},
         {"attention_decode_batch", check_attention_decode_batch},
-        {"attention_decode_late", check_attention_decode_late},
-        {"attention_decode_one_stage", check_attention_decode_one_stage}, {"sample_tokens", check_sampling}};
+        {"attention_decode_late", check_attention_decode_late}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
       if (want(name)) check();
   }
