@@ -202,7 +202,20 @@ __device__ void stage_x(GemvStage& st, const float* __restrict__ x, const float*
   __syncthreads();
 }
 
-// One warp computes output rows n0 .. n0 + kGemvRows - 1 of y[T, N] = xn[T, K] W[N, K]^T for all
+// Lane 0 loads y's rows n0 .. n0 + nr - 1 of all T tokens, to add to at the end: loaded before the
+// dot products, the residual's read is off the end of the kernel's critical path.
+template <int TT, int NR>
+__device__ __forceinline__ void prefetch_rows(float (&old)[NR][TT], const float* y, int T, int N, int n0, int nr,
+                                              int lane) {
+  if (lane != 0) return;
+#pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      if (t < T && r < nr) old[r][t] = y[size_t(t) * N + n0 + r];
+}
+
+// One warp computes output rows n0 .. n0 + NR - 1 of y[T, N] = xn[T, K] W[N, K]^T for all
 // T <= TT tokens, each weight row read once. xn = x, or with NORM xn = rmsnorm(x) * nw, computed as
 // inv_t * (W (x * nw)). x comes from the block's stage (stage_x) where it fits; elsewhere every lane
 // reads its share of x itself and gathers the sum of squares from those loads (the fold).
@@ -212,15 +225,15 @@ __device__ void stage_x(GemvStage& st, const float* __restrict__ x, const float*
 // wait). inv_out[t] gets inv_t (NORM, n0 < N). With st (stage_fits(T, K), the same for the whole
 // block) x is taken from the block's stage instead, staged here after the wait if `stage` is set
 // (every thread of the block must then be here: stage_x has barriers).
-template <int TT, bool NORM>
+template <int TT, bool NORM, int NR = kGemvRows>
 __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __restrict__ x,
                                           const float* __restrict__ nw, float eps, const bf16* __restrict__ W, int T,
                                           int N, int K, bool accumulate, int n0, int lane, float* inv_out = nullptr,
                                           GemvStage* st = nullptr, bool stage = true) {
-  constexpr int NR = kGemvRows, CH = kLoads / kGemvRows;
+  constexpr int CH = kLoads / NR;
   const int nr = max(0, min(NR, N - n0));
   const bf16* w = W + size_t(nr > 0 ? n0 : 0) * K;
-  float acc[NR][TT], ss[TT];
+  float acc[NR][TT], ss[TT], old[NR][TT];  // old: y's values, for accumulate (lane 0)
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     ss[t] = 0.f;
@@ -233,6 +246,7 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
     load_row_chunks(wv, w, K, nr, lane, K8);
     pdl_wait();
     pdl_launch_dependents();
+    if (accumulate) prefetch_rows<TT, NR>(old, y, T, N, n0, nr, lane);
     if (st && stage) stage_x<TT, NORM>(*st, x, nw, eps, T, K);
     if (nr == 0) return;
     const float* xin = st ? st->x : x;
@@ -263,6 +277,7 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
     pdl_wait();
     pdl_launch_dependents();
     if (nr == 0) return;
+    if (accumulate) prefetch_rows<TT, NR>(old, y, T, N, n0, nr, lane);
     for (int i = lane; i < K; i += 32) {
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
@@ -290,8 +305,7 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
     for (int r = 0; r < NR; ++r) {
       const float s = warp_sum(acc[r][t]) * inv;
       if (lane == 0 && r < nr) {
-        float* dst = y + size_t(t) * N + n0 + r;
-        *dst = accumulate ? *dst + s : s;
+        y[size_t(t) * N + n0 + r] = accumulate ? old[r][t] + s : s;
       }
     }
   }
@@ -315,7 +329,9 @@ struct GemvSegs {
   int end_block[3];
 };
 
-template <int TT, bool NORM>
+// NR rows per warp: 1, or 2 (TIERMOE_CUDA_GEMV3_ROWS=2, A/B timing: half the blocks, one wave at
+// the OLMoE / Qwen3 shapes instead of about 1.5).
+template <int TT, bool NORM, int NR>
 __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
                                                             int K, const float* __restrict__ nw, float eps,
                                                             bool staged) {
@@ -327,8 +343,8 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   float* y = s == 0 ? segs.y[0] : (s == 1 ? segs.y[1] : segs.y[2]);
   const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
   const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
-  const int n0 = ((b - first) * kWarps + (threadIdx.x >> 5)) * kGemvRows;
-  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
+  const int n0 = ((b - first) * kWarps + (threadIdx.x >> 5)) * NR;
+  gemv_rows<TT, NORM, NR>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
 }
 
 // One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]. Thread e
@@ -468,6 +484,12 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
   uint4 wv[NR][CH];
   const int j0 = threadIdx.x >> 5;
   if ((F & 7) == 0 && j0 < jobs) load_row_chunks(wv, job_rows(j0), F, max(0, min(NR, D - (d0 + NR * (j0 / K)))), lane, F >> 3);
+  // The routing weights (moe_route's) and the residual (written by the o projection, before
+  // moe_route started) are final too: loaded now, they are off the end of the critical path.
+  __shared__ float wk[kRouteMaxK];
+  if (threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
+  const int r = threadIdx.x;
+  const float x_old = r < R && d0 + r < D ? x[size_t(t) * D + d0 + r] : 0.f;
   pdl_wait();
   pdl_launch_dependents();
   for (int j = j0; j < jobs; j += kWarps) {
@@ -502,11 +524,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
     }
   }
   __syncthreads();
-  const int r = threadIdx.x;
   if (r < R && d0 + r < D) {
     float total = 0.f;
-    for (int k = 0; k < K; ++k) total = fmaf(weights[t * K + k], part[r * K + k], total);
-    x[size_t(t) * D + d0 + r] += total;
+    for (int k = 0; k < K; ++k) total = fmaf(wk[k], part[r * K + k], total);
+    x[size_t(t) * D + d0 + r] = x_old + total;
   }
 }
 
@@ -661,12 +682,14 @@ unsigned grid_for(size_t n, int threads = 256) {
 }
 
 bool g_programmatic_launch = false;
+int g_gemv3_rows = 1;
 
 }  // namespace
 
 bool programmatic_launch() { return g_programmatic_launch; }
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
+void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 2 ? 2 : 1; }
 
 cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
@@ -740,27 +763,30 @@ cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, b
 }
 
 template <int TT>
-cudaError_t launch_gemv3(const GemvSegs& g, int blocks, const float* x, int T, int K, const float* nw, float eps,
-                         cudaStream_t s) {
+cudaError_t launch_gemv3(GemvSegs g, const float* x, int T, int K, const float* nw, float eps, cudaStream_t s) {
   const bool staged = stage_fits(T, K);
-  if (!nw) return launch(gemv3_kernel<TT, false>, blocks, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged);
-  return launch(gemv3_kernel<TT, true>, blocks, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged);
+  const int rows = g_gemv3_rows == 2 ? 2 : 1, block_rows = kWarps * rows;
+  int end = 0;
+  for (int i = 0; i < 3; ++i) {
+    end += (g.N[i] + block_rows - 1) / block_rows;
+    g.end_block[i] = end;
+  }
+  if (rows == 2)
+    return nw ? launch(gemv3_kernel<TT, true, 2>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged)
+              : launch(gemv3_kernel<TT, false, 2>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged);
+  return nw ? launch(gemv3_kernel<TT, true, 1>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged)
+            : launch(gemv3_kernel<TT, false, 1>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged);
 }
 
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
                   int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w, float eps) {
   if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
-  GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}};
-  int end = 0;
-  for (int i = 0; i < 3; ++i) {
-    end += (g.N[i] + kGemvBlockRows - 1) / kGemvBlockRows;
-    g.end_block[i] = end;
-  }
+  const GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}};
   cudaError_t e;
-  if (T == 1) e = launch_gemv3<1>(g, end, x, T, K, norm_w, eps, s);
-  else if (T == 2) e = launch_gemv3<2>(g, end, x, T, K, norm_w, eps, s);
-  else if (T <= 4) e = launch_gemv3<4>(g, end, x, T, K, norm_w, eps, s);
-  else e = launch_gemv3<8>(g, end, x, T, K, norm_w, eps, s);
+  if (T == 1) e = launch_gemv3<1>(g, x, T, K, norm_w, eps, s);
+  else if (T == 2) e = launch_gemv3<2>(g, x, T, K, norm_w, eps, s);
+  else if (T <= 4) e = launch_gemv3<4>(g, x, T, K, norm_w, eps, s);
+  else e = launch_gemv3<8>(g, x, T, K, norm_w, eps, s);
   return e != cudaSuccess ? e : cudaGetLastError();
 }
 

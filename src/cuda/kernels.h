@@ -79,6 +79,8 @@ cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, b
 // Three gemv()s sharing x[T, K] in one launch (q, k, v projections): yi[T, Ni] = x Wi^T.
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
                   int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w = nullptr, float eps = 0.f);
+// gemv3's rows per warp (A/B timing): 1 (default) or 2.
+void set_gemv3_rows(int rows);
 
 // Router: per token, softmax over logits[T, E] in FP32, top-k (ties: lower index), weights
 // renormalized when asked. ids[T, K], weights[T, K], descending.   twin: route_softmax_topk
@@ -97,8 +99,9 @@ cudaError_t moe_route(float* h, int32_t* ids, float* weights, const float* x, co
 cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int F, int D,
                         cudaStream_t s);
 // x[T, D] += sum_k weights[t, k] * Wd[e] act[t, k]; Wd[E, D, F]. Residual add included.
-// Under programmatic launch it reads ids (to start loading weights) before it waits for the kernel
-// before it: ids must come from an earlier kernel than that one (moe_route, then moe_gate_up), or a copy.
+// Under programmatic launch it reads ids (to start loading weights), weights and x before it waits
+// for the kernel before it: they must come from an earlier kernel than that one (moe_route after
+// the o projection, then moe_gate_up), or a copy.
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s);
 // moe_down's kernel shape, for A/B timing: 0 (default) chosen per launch, 1 / 2 pinned to 2 / 4 rows per warp.
