@@ -329,8 +329,9 @@ struct GemvSegs {
   int end_block[3];
 };
 
-// NR rows per warp: 1, or 2 (TIERMOE_CUDA_GEMV3_ROWS=2, A/B timing: half the blocks, one wave at
-// the OLMoE / Qwen3 shapes instead of about 1.5).
+// NR rows per warp: 2 for one token (half the blocks of NR = 1: one wave at the OLMoE / Qwen3
+// shapes instead of about 1.5; 3-5% faster per token, docs/benchmarks.md), else 1 (T > 1 was not
+// timed). TIERMOE_CUDA_GEMV3_ROWS=1|2 forces either (A/B timing).
 template <int TT, bool NORM, int NR>
 __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
                                                             int K, const float* __restrict__ nw, float eps,
@@ -682,14 +683,14 @@ unsigned grid_for(size_t n, int threads = 256) {
 }
 
 bool g_programmatic_launch = false;
-int g_gemv3_rows = 1;
+int g_gemv3_rows = 0;  // gemv3's rows per warp: 0 chosen per launch, else forced
 
 }  // namespace
 
 bool programmatic_launch() { return g_programmatic_launch; }
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
-void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 2 ? 2 : 1; }
+void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 1 || rows == 2 ? rows : 0; }
 
 cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
@@ -765,7 +766,7 @@ cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, b
 template <int TT>
 cudaError_t launch_gemv3(GemvSegs g, const float* x, int T, int K, const float* nw, float eps, cudaStream_t s) {
   const bool staged = stage_fits(T, K);
-  const int rows = g_gemv3_rows == 2 ? 2 : 1, block_rows = kWarps * rows;
+  const int rows = g_gemv3_rows ? g_gemv3_rows : (T == 1 ? 2 : 1), block_rows = kWarps * rows;
   int end = 0;
   for (int i = 0; i < 3; ++i) {
     end += (g.N[i] + block_rows - 1) / block_rows;

@@ -79,7 +79,8 @@ cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, b
 // Three gemv()s sharing x[T, K] in one launch (q, k, v projections): yi[T, Ni] = x Wi^T.
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
                   int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w = nullptr, float eps = 0.f);
-// gemv3's rows per warp (A/B timing): 1 (default) or 2.
+// gemv3's rows per warp, for A/B timing: 0 (default) chosen per launch (2 for one token, else 1),
+// 1 or 2 forced.
 void set_gemv3_rows(int rows);
 
 // Router: per token, softmax over logits[T, E] in FP32, top-k (ties: lower index), weights

@@ -1465,12 +1465,14 @@ void check_gemv_unstaged() {
   cu::set_gemv_stage(true);
 }
 
-// gemv3 again with 2 rows per warp (set_gemv3_rows(2), the A/B variant).
-void check_gemv3_rows2() {
-  std::printf("-- gemv3, 2 rows per warp --\n");
-  cu::set_gemv3_rows(2);
-  check_gemv3();
-  cu::set_gemv3_rows(1);
+// gemv3 again with 1 and with 2 rows per warp forced (the default takes 2 at T = 1, else 1).
+void check_gemv3_rows() {
+  for (int rows : {1, 2}) {
+    std::printf("-- gemv3, %d row(s) per warp --\n", rows);
+    cu::set_gemv3_rows(rows);
+    check_gemv3();
+  }
+  cu::set_gemv3_rows(0);
 }
 
 // Decode attention again with set_attention_early(false): the first cached tile loaded after the
@@ -1496,7 +1498,7 @@ int main(int argc, char** argv) {
   if (!models_only) {
     std::printf("== kernels vs CPU twins ==\n");
     const std::pair<const char*, void (*)()> checks[] = {
-        {"gemv", check_gemv}, {"gemv3", check_gemv3}, {"gemv3_rows2", check_gemv3_rows2}, {"gemv_unstaged", check_gemv_unstaged},
+        {"gemv", check_gemv}, {"gemv3", check_gemv3}, {"gemv3_rows", check_gemv3_rows}, {"gemv_unstaged", check_gemv_unstaged},
         {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
