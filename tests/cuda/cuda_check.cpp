@@ -1485,7 +1485,10 @@ void check_attention_decode_late() {
   cu::set_attention_early(true);
 }
 
+int sync_latency_main();  // sync_latency.cu
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "latency") == 0) return sync_latency_main();
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "batchtable") == 0) return batchtable_main(argc, argv);
