@@ -16,6 +16,7 @@
 
 #include "cuda/kernels.h"
 
+#include "cuda/attention_merge.cuh"
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
 
@@ -63,7 +64,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   const int start = s * split_len, end = min(n, start + split_len);
   const size_t row = size_t(Hkv) * Dh;
 
-  __shared__ __align__(16) uint4 ktile[kTileElems / 8], vtile[kTileElems / 8];
+  // One array, so that the merge at the end can stage the splits' rows in both tiles' space.
+  __shared__ __align__(16) uint4 kvtile[2 * kTileElems / 8];
+  uint4 *ktile = kvtile, *vtile = kvtile + kTileElems / 8;
   // K/V rows [t0, t0 + nk) already in the cache (rows of earlier passes) -> the tile, by cp.async.
   auto load_cached = [&](int t0, int nk) {
     const int cached = max(0, min(nk, first_new - t0));
@@ -231,9 +234,14 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // The heads' maxima first (one warp per head), then every thread on (head, pair of dims) items,
-  // loads of 8 splits in flight at a time to hide the L2 latency.
   __shared__ float Mh[GM];
+  if (merge_stage_floats(G, n_splits, Dh) <= 2 * kTileElems / 2) {  // the rows fit in the tiles' space
+    merge_staged(out + (size_t(t) * H + h0) * Dh, partial + (size_t(t) * H + h0) * n_splits * (Dh + 2), G, n_splits,
+                 Dh, reinterpret_cast<float*>(kvtile), Mh);
+    return;
+  }
+  // Else (long contexts) from L2: the heads' maxima first (one warp per head), then every thread on (head, pair of dims) items,
+  // loads of 8 splits in flight at a time to hide the L2 latency.
   for (int g = warp; g < G; g += kWarpsPerBlock) {
     const float* p = partial + (size_t(t) * H + h0 + g) * n_splits * (Dh + 2);
     float M = -INFINITY;

@@ -2,6 +2,7 @@
 // (large-T matrix products go to cuBLAS).
 #include "cuda/kernels.h"
 
+#include "cuda/attention_merge.cuh"
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
 
@@ -619,16 +620,19 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
 // nvcc reads them 16 bytes at a time even at the end of the array (memcheck: out of bounds at 2 splits).
 __host__ __device__ constexpr int combine_padded(int n_splits) { return (n_splits + 7) & ~7; }
 
-// grid T*H: merges the splits of one (t, h). The block weighs each split once (w[s] = e^(m_s - M)
-// in shared memory), then every thread sums its output elements over the splits, loads unrolled:
-// a serial loop with an exp per (split, element) took 16 us for 40 splits (ncu, H200).
-__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh) {
-  extern __shared__ float w[];  // [combine_padded(n_splits)]
+// grid T*H: merges the splits of one (t, h). Staged (where the rows fit in 48 KB: up to 92 splits
+// at Dh 128): merge_staged(), one L2 round trip (ncu, H200, 40 splits: 9.8 us unstaged). Else the
+// block weighs each split once (w[s] = e^(m_s - M) in shared memory), then every thread sums its
+// output elements over the splits, loads unrolled: a serial loop with an exp per (split, element)
+// took 16 us for 40 splits.
+__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh, bool staged) {
+  extern __shared__ __align__(16) float w[];  // staged: merge_stage_floats(1, n_splits, Dh); else combine_padded(n_splits)
   __shared__ float red[32];
   pdl_wait();
   pdl_launch_dependents();
   const size_t th = blockIdx.x, row = size_t(Dh) + 2;
   const float* p = partial + th * n_splits * row;
+  if (staged) return merge_staged(out + th * Dh, p, 1, n_splits, Dh, w, red);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = int(blockDim.x >> 5);
   float m = -INFINITY;
   for (int s = threadIdx.x; s < n_splits; s += blockDim.x) m = fmaxf(m, p[s * row]);
@@ -873,9 +877,11 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  const size_t smem = size_t(combine_padded(n_splits)) * sizeof(float);
+  const size_t staged = size_t(merge_stage_floats(1, n_splits, Dh)) * sizeof(float), smem = size_t(combine_padded(n_splits)) * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, smem, s, out, partial, n_splits, Dh);
+  const bool stage = staged <= 48 * 1024 && Dh % 2 == 0;  // merge_staged's rows: an even number of floats
+  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, stage ? staged : smem, s, out, partial, n_splits,
+                Dh, stage);
 }
 
 cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s) {

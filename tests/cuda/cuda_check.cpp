@@ -772,7 +772,9 @@ void check_attention_decode() {
   for (C c : {C{1, 0, 4, 4, 16, 64}, C{1, 1000, 32, 4, 128, 64}, C{7, 33, 4, 2, 16, 8}, C{8, 300, 8, 8, 64, 64},
               C{1, 4095, 16, 16, 128, 64}, C{3, 17, 12, 2, 32, 5}, C{1, 5, 2, 1, 256, 256}, C{2, 9000, 8, 1, 64, 8},
               C{5, 200, 24, 4, 128, 1}, C{1, 63, 8, 2, 128, 64}, C{4, 4093, 32, 4, 128, 1000}, C{1, 3000, 4, 2, 256, 3000},
-              C{1, 700, 16, 16, 128, 512}, C{6, 29, 16, 16, 128, 256}}) {
+              C{1, 700, 16, 16, 128, 512}, C{6, 29, 16, 16, 128, 256},
+              // OLMoE's decode at 4096 keys: 40 splits, merged from shared memory (merge_staged)
+              C{1, 4095, 16, 16, 128, 103}}) {
     const int n = c.past + c.T, row = c.Hkv * c.Dh;
     auto q = randn(size_t(c.T) * c.H * c.Dh), k = randn(size_t(n) * row), v = randn(size_t(n) * row);
     auto kb = bf16_of(k), vb = bf16_of(v);
