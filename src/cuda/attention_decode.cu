@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, const int32_t* table, const int32_t* const* __restrict__ tables,
     const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
-    int Dh, bool early) {
+    int Dh, bool early, bool staged_merge) {
   // gridDim.x = Hkv * HG: HG blocks share a KV head, each with G of its query heads from head h0.
   const int HG = gridDim.x / Hkv, kvh = blockIdx.x / HG, hg = blockIdx.x % HG;
   const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   if (!is_last) return;
   __threadfence();
   __shared__ float Mh[GM];
-  if (merge_stage_floats(G, n_splits, Dh) <= 2 * kTileElems / 2) {  // the rows fit in the tiles' space
+  if (staged_merge && merge_stage_floats(G, n_splits, Dh) <= 2 * kTileElems / 2) {  // the rows fit in the tiles' space
     merge_staged(out + (size_t(t) * H + h0) * Dh, partial + (size_t(t) * H + h0) * n_splits * (Dh + 2), G, n_splits,
                  Dh, reinterpret_cast<float*>(kvtile), Mh);
     return;
@@ -300,7 +300,7 @@ cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* 
   auto* kernel = G == 1 ? attention_decode_kernel<1>
                         : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
   return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, table, tables, k_new, v_new, pos, H,
-                Hkv, Dh, g_attention_early);
+                Hkv, Dh, g_attention_early, (merge_stage() & 1) != 0);
 }
 }  // namespace
 

@@ -691,6 +691,9 @@ int g_gemv3_rows = 0;  // gemv3's rows per warp: 0 chosen per launch, else force
 
 }  // namespace
 
+int g_merge_stage = 3;
+void set_merge_stage(int bits) { g_merge_stage = bits & 3; }
+int merge_stage() { return g_merge_stage; }
 bool programmatic_launch() { return g_programmatic_launch; }
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
@@ -879,7 +882,7 @@ cudaError_t attention_merge_splits(float* out, const float* partial, int T, int 
   if (T == 0) return cudaSuccess;
   const size_t staged = size_t(merge_stage_floats(1, n_splits, Dh)) * sizeof(float), smem = size_t(combine_padded(n_splits)) * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  const bool stage = staged <= 48 * 1024 && Dh % 2 == 0;  // merge_staged's rows: an even number of floats
+  const bool stage = (g_merge_stage & 2) && staged <= 48 * 1024 && Dh % 2 == 0;  // merge_staged's rows: an even number of floats
   return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, stage ? staged : smem, s, out, partial, n_splits,
                 Dh, stage);
 }
