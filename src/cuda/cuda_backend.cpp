@@ -866,7 +866,8 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     if (n <= cuda::kGemvMaxT && decode_attention_) {
       // attention_decode() balances the keys over n_splits itself, so a captured step stays valid
       // while n_splits does: a power of two up to 1024 keys (splits of 32-64 keys), then 8 more
-      // splits per 1024 keys (64-128 keys each; 4 and 16 were no better at 4096 keys).
+      // splits per 1024 keys (64-128 keys each; 4 and 16 were no better at 4096 keys). The
+      // tensor-core decode (below) takes 4 per 1024 keys.
       p.n_splits = 1;
       if (keys <= 1024)
         while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;
@@ -885,6 +886,10 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     T += n;
     n_logits += s.n_logits;
   }
+  // Tensor-core decode from 1024 keys: splits of 128-256 keys, 4 per 1024 (at 4096 keys 3-6%
+  // faster per token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md).
+  if (tc_decode(pieces) && pieces[0].cache->length() + pieces[0].n > 1024)
+    pieces[0].n_splits = (pieces[0].cache->length() + pieces[0].n + 1023) / 1024 * 4;
   CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   batch_splits_ = 0;
