@@ -235,13 +235,13 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   if (!is_last) return;
   __threadfence();
   __shared__ float Mh[GM];
-  if (staged_merge && merge_stage_floats(G, n_splits, Dh) <= 2 * kTileElems / 2) {  // the rows fit in the tiles' space
+  if (staged_merge && merge_stage_floats(G, n_splits, Dh) <= kTileElems) {  // the rows fit in the tiles' 32 KB
     merge_staged(out + (size_t(t) * H + h0) * Dh, partial + (size_t(t) * H + h0) * n_splits * (Dh + 2), G, n_splits,
                  Dh, reinterpret_cast<float*>(kvtile), Mh);
     return;
   }
-  // Else (long contexts) from L2: the heads' maxima first (one warp per head), then every thread on (head, pair of dims) items,
-  // loads of 8 splits in flight at a time to hide the L2 latency.
+  // Else (long contexts) from L2: the heads' maxima first (one warp per head), then every thread
+  // on (head, pair of dims) items, loads of 8 splits in flight at a time to hide the L2 latency.
   for (int g = warp; g < G; g += kWarpsPerBlock) {
     const float* p = partial + (size_t(t) * H + h0 + g) * n_splits * (Dh + 2);
     float M = -INFINITY;

@@ -689,9 +689,10 @@ unsigned grid_for(size_t n, int threads = 256) {
 bool g_programmatic_launch = false;
 int g_gemv3_rows = 0;  // gemv3's rows per warp: 0 chosen per launch, else forced
 
+int g_merge_stage = 3;  // set_merge_stage()
+
 }  // namespace
 
-int g_merge_stage = 3;
 void set_merge_stage(int bits) { g_merge_stage = bits & 3; }
 int merge_stage() { return g_merge_stage; }
 bool programmatic_launch() { return g_programmatic_launch; }
@@ -880,9 +881,10 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  const size_t staged = size_t(merge_stage_floats(1, n_splits, Dh)) * sizeof(float), smem = size_t(combine_padded(n_splits)) * sizeof(float);
+  const size_t smem = size_t(combine_padded(n_splits)) * sizeof(float);
+  const size_t staged = size_t(merge_stage_floats(1, n_splits, Dh)) * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  const bool stage = (g_merge_stage & 2) && staged <= 48 * 1024 && Dh % 2 == 0;  // merge_staged's rows: an even number of floats
+  const bool stage = (g_merge_stage & 2) && staged <= 48 * 1024 && Dh % 2 == 0;  // merge_staged's rows: even lengths
   return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, stage ? staged : smem, s, out, partial, n_splits,
                 Dh, stage);
 }
