@@ -39,12 +39,14 @@ if [ "$MODE" = trace ]; then  # one captured decode step under nsys: each kernel
   # Unlike `profile` (ncu: kernels serialized, caches flushed), this is the step as it runs:
   # programmatic launch, one graph. Prints per kernel its duration and the gap from the previous
   # kernel's end (negative: they overlapped), then per kernel name the sums. Needs nsys.
-  command -v nsys > /dev/null || { echo "trace: no nsys on this machine"; exit 2; }
-  for cc in ${TRACE_ROWS:-"olmoe-1b-7b-v8192.json 16" "qwen3-30b-a3b-L16-v8192.json 4096"}; do
+  NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+  [ -n "$NSYS" ] || { echo "trace: no nsys on this machine"; exit 2; }
+  IFS=';' read -ra trows <<< "${TRACE_ROWS:-olmoe-1b-7b-v8192.json 16;qwen3-30b-a3b-L16-v8192.json 4096}"
+  for cc in "${trows[@]}"; do  # TRACE_ROWS: "config ctx" rows separated by ';'
     set -- $cc; log "trace $1 ctx=$2"; rm -f "$OUT/trace.nsys-rep" "$OUT/trace.sqlite"
-    timeout 180 nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node -o "$OUT/trace" \
+    timeout 180 "$NSYS" profile --capture-range=cudaProfilerApi --cuda-graph-trace=node -o "$OUT/trace" \
       $C profile --config configs/$1 --ctx $2 > "$OUT/trace_$2.log" 2>&1
-    nsys stats -q -r cuda_gpu_trace -f csv -o "$OUT/trace_$2" "$OUT/trace.nsys-rep" > /dev/null 2>&1
+    "$NSYS" stats -q -r cuda_gpu_trace -f csv -o "$OUT/trace_$2" "$OUT/trace.nsys-rep" > /dev/null 2>&1
     python3 - "$OUT/trace_$2_cuda_gpu_trace.csv" "$1 ctx=$2" <<'PY' | tee -a "$OUT/trace.txt"
 import csv, sys, collections
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get('Name') and not r['Name'].startswith('[CUDA')]
