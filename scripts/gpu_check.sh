@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|trace|batch]   (quick: no large published
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|batch]   (quick: no large published
 #   configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
-#   initcheck; profile: per-kernel times of one decode step under ncu; trace: one captured decode
-#   step under nsys, each kernel's start, duration and gap in the graph; batch: the kernel table,
+#   initcheck; profile: per-kernel times of one decode step under ncu; batch: the kernel table,
 #   then B = 1, 8, 32, 64 under the A/B variants in one process per config (batchtable), then the
 #   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
@@ -34,36 +33,6 @@ if [ ! -x $C ]; then
   log build
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-fi
-if [ "$MODE" = trace ]; then  # one captured decode step under nsys: each kernel's start and end inside the graph
-  # Unlike `profile` (ncu: kernels serialized, caches flushed), this is the step as it runs:
-  # programmatic launch, one graph. Prints per kernel its duration and the gap from the previous
-  # kernel's end (negative: they overlapped), then per kernel name the sums. Needs nsys.
-  NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-  [ -n "$NSYS" ] || { echo "trace: no nsys on this machine"; exit 2; }
-  IFS=';' read -ra trows <<< "${TRACE_ROWS:-olmoe-1b-7b-v8192.json 16;qwen3-30b-a3b-L16-v8192.json 4096}"
-  for cc in "${trows[@]}"; do  # TRACE_ROWS: "config ctx" rows separated by ';'
-    set -- $cc; log "trace $1 ctx=$2"; rm -f "$OUT/trace.nsys-rep" "$OUT/trace.sqlite"
-    timeout 180 "$NSYS" profile --capture-range=cudaProfilerApi --cuda-graph-trace=node -o "$OUT/trace" \
-      $C profile --config configs/$1 --ctx $2 > "$OUT/trace_$2.log" 2>&1
-    "$NSYS" stats -q -r cuda_gpu_trace -f csv -o "$OUT/trace_$2" "$OUT/trace.nsys-rep" > /dev/null 2>&1
-    python3 - "$OUT/trace_$2_cuda_gpu_trace.csv" "$1 ctx=$2" <<'PY' | tee -a "$OUT/trace.txt"
-import csv, sys, collections
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get('Name') and not r['Name'].startswith('[CUDA')]
-rows.sort(key=lambda r: int(r['Start (ns)']))
-t0 = int(rows[0]['Start (ns)']); end = t0; tot = collections.OrderedDict()
-print(f"== {sys.argv[2]}: {len(rows)} kernels, step {(max(int(r['Start (ns)']) + int(r['Duration (ns)']) for r in rows) - t0) / 1e3:.1f} us")
-for i, r in enumerate(rows):
-    s, d = int(r['Start (ns)']), int(r['Duration (ns)'])
-    name = r['Name'].replace('void ', '').replace('(anonymous namespace)::', '').split('<')[0].split('(')[0]
-    c, t, g = tot.get(name, (0, 0.0, 0.0)); tot[name] = (c + 1, t + d / 1e3, g + (s - end) / 1e3)
-    if i < 16: print(f"  {(s - t0) / 1e3:8.2f} us  +{d / 1e3:6.2f}  gap {(s - end) / 1e3:6.2f}  {name}")
-    end = max(end, s + d)
-for n, (c, t, g) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
-    print(f"  {n:34s} x{c:4d}  {t / c:6.2f} us each  gap before it {g / c:6.2f} us each")
-PY
-  done
-  exit 0
 fi
 if [ "$MODE" = batch ]; then  # kernels first, the table, the models last (the longest part)
   log kernels; timeout 60 $C --kernels-only 2>&1 | tee "$OUT/check.txt"
