@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
 // nvcc reads them 16 bytes at a time even at the end of the array (memcheck: out of bounds at 2 splits).
 __host__ __device__ constexpr int combine_padded(int n_splits) { return (n_splits + 7) & ~7; }
 
-// grid T*H: merges the splits of one (t, h). Staged (where the rows fit in 48 KB: up to 92 splits
+// grid T*H: merges the splits of one (t, h). Staged (where the rows fit in 48 KB: up to 94 splits
 // at Dh 128): merge_staged(), one L2 round trip (ncu, H200, 40 splits: 9.8 us unstaged). Else the
 // block weighs each split once (w[s] = e^(m_s - M) in shared memory), then every thread sums its
 // output elements over the splits, loads unrolled: a serial loop with an exp per (split, element)
