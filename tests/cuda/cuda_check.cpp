@@ -1524,11 +1524,10 @@ int main(int argc, char** argv) {
       tc.tc_decode_keys = 1, tc.tc_decode_min_group = 1;
       check_model("tinymix-code [decode attention on the tensor cores]", tiny, test::ints(ref.get("short_ids")), 32, &tc);
       // Past 64 keys, so that the splits below the newest row load their first tile before pdl_wait.
-      const auto long_ids = test::ints(ref.get("long_ids"));
-      check_model("tinymix-code [decode attention on the tensor cores, 700-token prompt]", tiny,
-                  std::vector<int32_t>(long_ids.begin(), long_ids.begin() + std::min<size_t>(700, long_ids.size())), 32, &tc);
-      // Long context (chunked prefill, split attention) against transformers' FP32 logits.
       const auto ids = test::ints(ref.get("long_ids"));
+      check_model("tinymix-code [decode attention on the tensor cores, 700-token prompt]", tiny,
+                  std::vector<int32_t>(ids.begin(), ids.begin() + std::min<size_t>(700, ids.size())), 32, &tc);
+      // Long context (chunked prefill, split attention) against transformers' FP32 logits.
       const auto positions = test::ints(ref.get("long_positions"));
       const auto expected = test::floats(ref.get("long_logits"));
       auto w = load_weights(tiny);
