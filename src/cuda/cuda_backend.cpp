@@ -405,7 +405,7 @@ class CudaBackend final : public Backend {
   // Workspace, sized for max_chunk tokens at construction.
   float *x_, *h_, *q_, *k_, *v_, *att_, *gu_, *act_, *tmp_, *router_, *wts_, *sg_, *logits_, *partial_;
   int32_t *ids_, *pos_, *topk_;
-  long long* route_acc_ = nullptr;  // [kGemvMaxT, E]: the unscaled router logits (router_in_oproj), 0 between layers
+  long long* route_acc_ = nullptr;  // [kGemvMaxT, E] slots: the unscaled router logits (router_in_oproj), 0 between layers
   unsigned* split_counters_;  // attention_decode's, zero between launches
   // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
   // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the expert GEMMs on the tensor cores
@@ -554,8 +554,9 @@ void CudaBackend::alloc_workspace() {
   router_ = dalloc<float>(owned_, size_t(Tm) * E);
   wts_ = dalloc<float>(owned_, size_t(Tm) * K);
   topk_ = dalloc<int32_t>(owned_, size_t(Tm) * K);
-  route_acc_ = dalloc<long long>(owned_, size_t(cuda::kGemvMaxT) * E);
-  CUDA_CK(cudaMemset(route_acc_, 0, size_t(cuda::kGemvMaxT) * E * sizeof(long long)));
+  const size_t acc_n = size_t(cuda::kGemvMaxT) * E * cuda::kRouterLogitStride;
+  route_acc_ = dalloc<long long>(owned_, acc_n);
+  CUDA_CK(cudaMemset(route_acc_, 0, acc_n * sizeof(long long)));
   sg_ = dalloc<float>(owned_, size_t(Tm));
   logits_ = dalloc<float>(owned_, size_t(Tm) * cfg_.vocab_size);
   ids_ = dalloc<int32_t>(owned_, size_t(Tm));

@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y
 #pragma unroll
     for (int r = 0; r < kGemvBlockRows; ++r)
       if (d0 + r < N) p = fmaf(wr[r], y[size_t(t) * N + d0 + r], p);
-    add_logit(rl.acc + size_t(t) * rl.E + e, p);
+    add_logit(rl.acc + (size_t(t) * rl.E + e) * kRouterLogitStride, p);
   }
 }
 
@@ -356,7 +356,7 @@ struct GemvSegs {
   const bf16* W[3];
   int N[3];
   int end_block[3];
-  long long* zero;  // zero[zero_n] <- 0 by block 0 after the wait (the router's accumulator, RouterLogits)
+  long long* zero;  // zero_n slots of the router's accumulator (RouterLogits) <- 0 by block 0 after the wait
   int zero_n;
 };
 
@@ -378,26 +378,30 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   const int n0 = ((b - first) * kWarps + (threadIdx.x >> 5)) * NR;
   gemv_rows<TT, NORM, NR>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
   if (b == 0)
-    for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[i] = 0;
+    for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
 }
 
 // Router logits as NaN-proof values: NaN ranks last, so every rank gets exactly one expert.
 __device__ __forceinline__ float rank_value(float v) { return v != v ? -INFINITY : v; }
 
-// Threads e < E of the block: ids[rank] = e for the K experts whose logits l[e] rank first, ranked by
-// counting those that beat it (ties to the lower index, as route_softmax_topk). Returns e's rank
-// (E for threads past E). No barrier: the caller's makes ids[] visible.
-__device__ int select_topk(int32_t* ids, const float* l, int E, int K) {
-  const int e = threadIdx.x;
-  if (e >= E) return E;
-  const float v = rank_value(l[e]);
+// All threads of the block: ids[rank] = e for the K experts whose logits l[e] rank first, a rank
+// being the count of logits that beat e's (ties to the lower index, as route_softmax_topk). P
+// consecutive threads count for one expert, each a P-th of the comparisons (P: a power of two up
+// to 32 with P * E <= blockDim.x), summed by shuffles. No barrier: the caller's publishes ids[].
+__device__ void select_topk(int32_t* ids, const float* l, int E, int K) {
+  int P = 1;
+  while (P < 32 && 2 * P * E <= int(blockDim.x)) P *= 2;
+  const int e = threadIdx.x / P, part = threadIdx.x % P;
   int rank = 0;
-  for (int j = 0; j < E; ++j) {
-    const float lj = rank_value(l[j]);
-    rank += lj > v || (lj == v && j < e);
+  if (e < E) {
+    const float v = rank_value(l[e]);
+    for (int j = part; j < E; j += P) {
+      const float lj = rank_value(l[j]);
+      rank += lj > v || (lj == v && j < e);
+    }
   }
-  if (rank < K) ids[rank] = e;
-  return rank;
+  for (int o = 1; o < P; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+  if (e < E && part == 0 && rank < K) ids[rank] = e;
 }
 
 // One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]: top-k of l
@@ -405,7 +409,7 @@ __device__ int select_topk(int32_t* ids, const float* l, int E, int K) {
 // they are), weights summed in k order when renormalized.
 __device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize,
                             float scale = 1.f) {
-  __shared__ float red[kWarps], picked[kRouteMaxK];
+  __shared__ float red[kWarps], prob[kRouteMaxE];
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
   const float v = e < E ? scale * rank_value(l[e]) : -INFINITY;
   float m = warp_max(v);
@@ -415,20 +419,20 @@ __device__ void route_token(int32_t* ids, float* weights, const float* l, int E,
   for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
   __syncthreads();
   const float p = e < E ? expf(v - m) : 0.f;
+  if (e < E) prob[e] = p;
   float den = warp_sum(p);
   if (lane == 0) red[warp] = den;
+  select_topk(ids, l, E, K);
   __syncthreads();
   den = 0.f;
   for (int w = 0; w < kWarps; ++w) den += red[w];
-  const int rank = select_topk(ids, l, E, K);
-  if (rank < K) picked[rank] = p / den;
-  __syncthreads();
   if (e < K) {
     float sum = 0.f;
-    for (int k = 0; k < K; ++k) sum += picked[k];
-    weights[e] = renormalize ? picked[e] / sum : picked[e];
+    for (int k = 0; k < K; ++k) sum += prob[ids[k]] / den;
+    const float pe = prob[ids[e]] / den;
+    weights[e] = renormalize ? pe / sum : pe;
   }
-  __syncthreads();  // red[] and picked[] are reused by the next call
+  __syncthreads();  // red[] and prob[] are reused by the next call
 }
 
 __global__ void __launch_bounds__(kWarps * 32) route_topk_kernel(int32_t* ids, float* weights, const float* logits,
@@ -472,43 +476,60 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
 }
 
 // The router's last step and moe_gate_up in one launch (RouterLogits, kernels.h). grid (ceil(F / kWarps),
-// T*K): every block routes its token itself -- h_t * nw staged in shared memory with inv = 1 / rms(h_t),
-// the logits inv * acc[t] ranked and weighted (route_token) -- then one warp per (t, k, f) as
-// moe_gate_up, scaled by inv at the end. The first block of each token writes its ids and weights.
+// T*K): every block selects its token's experts itself from the logits acc[t] (select_topk), with
+// h_t * nw staged in shared memory; then one warp per (t, k, f) as moe_gate_up, scaled by inv =
+// 1 / rms(h_t) at the end. Only the selection stands between the wait and the weight loads: the
+// sum of squares is gathered with the stage and summed after, and the softmax weights (inv * acc)
+// are computed by the first block of each token alone, after its rows, and written with the ids.
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* __restrict__ act, int32_t* ids,
                                                                          float* weights, const float* __restrict__ h,
                                                                          const float* __restrict__ nw, float eps,
                                                                          const long long* acc,
                                                                          const bf16* __restrict__ Wgu, int E, int K,
                                                                          int F, int D, bool renormalize) {
-  __shared__ GemvStage st;
-  __shared__ float lg[kRouteMaxE], sw[kRouteMaxK];
+  __shared__ __align__(16) float xs[kStageFloats];  // h_t * nw
+  __shared__ float lg[kRouteMaxE], red[kWarps], sw[kRouteMaxK];
   __shared__ int32_t sid[kRouteMaxK];
   pdl_wait();
   pdl_launch_dependents();
-  const int tk = blockIdx.y, t = tk / K, k = tk % K;
-  if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[size_t(t) * E + threadIdx.x]);
-  stage_x<1, true>(st, h + size_t(t) * D, nw, eps, 1, D);  // its barriers publish lg[] too
-  const float inv = st.inv[0];
-  route_token(sid, sw, lg, E, K, renormalize, inv);
-  if (blockIdx.x == 0 && k == 0 && threadIdx.x < K) {
-    ids[t * K + threadIdx.x] = sid[threadIdx.x];
-    weights[t * K + threadIdx.x] = sw[threadIdx.x];
+  const int tk = blockIdx.y, t = tk / K, k = tk % K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < D >> 2; i += blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(h + size_t(t) * D)[i], c = reinterpret_cast<const float4*>(nw)[i];
+    ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+    reinterpret_cast<float4*>(xs)[i] = make_float4(v.x * c.x, v.y * c.y, v.z * c.z, v.w * c.w);
   }
-  const int lane = threadIdx.x & 31, f = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (f >= F) return;
-  const bf16* wg = Wgu + (size_t(sid[k]) * 2 * F + f) * D;
-  const bf16* wu = wg + size_t(F) * D;
-  float g = 0.f, u = 0.f;
+  ss = warp_sum(ss);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  select_topk(sid, lg, E, K);
+  __syncthreads();
+  ss = 0.f;
+  for (int w = 0; w < kWarps; ++w) ss += red[w];
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);  // as rmsnorm() computes it
+  const int f = blockIdx.x * kWarps + warp;
+  if (f < F) {
+    const bf16* wg = Wgu + (size_t(sid[k]) * 2 * F + f) * D;
+    const bf16* wu = wg + size_t(F) * D;
+    float g = 0.f, u = 0.f;
 #pragma unroll 8
-  for (int i = lane; i < D >> 3; i += 32) {
-    const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
-    g += dot8(a, st.x + 8 * i);
-    u += dot8(b, st.x + 8 * i);
+    for (int i = lane; i < D >> 3; i += 32) {
+      const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
+      g += dot8(a, xs + 8 * i);
+      u += dot8(b, xs + 8 * i);
+    }
+    g = warp_sum(g) * inv;
+    u = warp_sum(u) * inv;
+    if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
   }
-  g = warp_sum(g) * inv;
-  u = warp_sum(u) * inv;
-  if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
+  if (blockIdx.x == 0 && k == 0) {
+    route_token(sid, sw, lg, E, K, renormalize, inv);
+    if (threadIdx.x < K) {
+      ids[t * K + threadIdx.x] = sid[threadIdx.x];
+      weights[t * K + threadIdx.x] = sw[threadIdx.x];
+    }
+  }
 }
 
 // grid (ceil(F / kWarps), T*K): one warp per (t, k, f).
@@ -567,7 +588,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
   __shared__ float lg[kRouteMaxE];
   __shared__ int32_t sid[kRouteMaxK];
   if (acc) {
-    if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[size_t(t) * E + threadIdx.x]);
+    if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
     __syncthreads();
     select_topk(sid, lg, E, K);
     __syncthreads();

@@ -77,7 +77,7 @@ cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, b
                  const float* norm_w = nullptr, float eps = 0.f);
 
 // Three gemv()s sharing x[T, K] in one launch (q, k, v projections): yi[T, Ni] = x Wi^T. With zero,
-// its zero_n values are set to 0 after the wait (the router's accumulator, RouterLogits below).
+// its first zero_n slots are set to 0 after the wait (the router's accumulator, RouterLogits below).
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
                   int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w = nullptr, float eps = 0.f,
                   long long* zero = nullptr, int zero_n = 0);
@@ -93,10 +93,13 @@ cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, 
 // Top-k is ranked on the unscaled logits (inv > 0 keeps the order; the CPU twin ranks the scaled
 // ones, so only ties made by rounding could differ).
 //   twin: matmul_add + rmsnorm + matmul + route_softmax_topk + the CPU MoE
+// acc's slots are kRouterLogitStride values (128 bytes) apart, so that the o projection's blocks'
+// atomics spread over L2 slices instead of queueing at a few.
+constexpr int kRouterLogitStride = 16;
 struct RouterLogits {
   const bf16* Wr = nullptr;       // [E, N] router
   const float* norm_w = nullptr;  // [N] the FFN norm
-  long long* acc = nullptr;       // [T, E]
+  long long* acc = nullptr;       // [T, E] slots, kRouterLogitStride apart
   int E = 0;
 };
 bool router_in_oproj_fits(int D, int E, int K);  // D % 8 == 0, D <= 4096, E <= kRouteMaxE, K <= min(E, kRouteMaxK)

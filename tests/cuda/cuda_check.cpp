@@ -487,7 +487,7 @@ void check_moe_routed() {
     Dev<float> da(a), dnw(nw), dact(size_t(c.T) * c.K * c.F), dwt(m.w.size());
     Dev<uint16_t> dwo(wob), dwr(wrb), dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids.size());
-    Dev<long long> acc(size_t(c.T) * c.E);
+    Dev<long long> acc(size_t(c.T) * c.E * cu::kRouterLogitStride);
     for (int v = 0; v < cu::moe_down_variants(); ++v) {  // every shape of moe_down
       cu::set_moe_down_variant(v);
       int wrong = 0;
