@@ -475,12 +475,13 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
   for (int t = 0; t < T; ++t) route_token(ids + t * K, weights + t * K, lg + t * E, E, K, renormalize);
 }
 
-// The router's last step and moe_gate_up in one launch (RouterLogits, kernels.h). grid (ceil(F / kWarps),
-// T*K): every block selects its token's experts itself from the logits acc[t] (select_topk), with
-// h_t * nw staged in shared memory; then one warp per (t, k, f) as moe_gate_up, scaled by inv =
-// 1 / rms(h_t) at the end. Only the selection stands between the wait and the weight loads: the
-// sum of squares is gathered with the stage and summed after, and the softmax weights (inv * acc)
-// are computed by the first block of each token alone, after its rows, and written with the ids.
+// The router's last step and moe_gate_up in one launch (RouterLogits, kernels.h). grid (ceil(F / kWarps)
+// + 1, T*K): every block selects its token's experts itself from the logits acc[t] (select_topk),
+// with h_t * nw staged in shared memory; then one warp per (t, k, f) as moe_gate_up, scaled by inv =
+// 1 / rms(h_t) at the end. Only the selection stands between the wait and the weight loads (the sum
+// of squares is gathered with the stage and summed after). The last column's blocks have no rows:
+// for k = 0 it computes the token's softmax weights (inv * acc) and writes them with the ids,
+// beside the others' loads instead of after a block's rows.
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* __restrict__ act, int32_t* ids,
                                                                          float* weights, const float* __restrict__ h,
                                                                          const float* __restrict__ nw, float eps,
@@ -508,6 +509,15 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* 
   ss = 0.f;
   for (int w = 0; w < kWarps; ++w) ss += red[w];
   const float inv = 1.0f / sqrtf(ss / float(D) + eps);  // as rmsnorm() computes it
+  if (blockIdx.x == gridDim.x - 1) {  // the router column
+    if (k != 0) return;
+    route_token(sid, sw, lg, E, K, renormalize, inv);
+    if (threadIdx.x < K) {
+      ids[t * K + threadIdx.x] = sid[threadIdx.x];
+      weights[t * K + threadIdx.x] = sw[threadIdx.x];
+    }
+    return;
+  }
   const int f = blockIdx.x * kWarps + warp;
   if (f < F) {
     const bf16* wg = Wgu + (size_t(sid[k]) * 2 * F + f) * D;
@@ -522,13 +532,6 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* 
     g = warp_sum(g) * inv;
     u = warp_sum(u) * inv;
     if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
-  }
-  if (blockIdx.x == 0 && k == 0) {
-    route_token(sid, sw, lg, E, K, renormalize, inv);
-    if (threadIdx.x < K) {
-      ids[t * K + threadIdx.x] = sid[threadIdx.x];
-      weights[t * K + threadIdx.x] = sw[threadIdx.x];
-    }
   }
 }
 
@@ -976,7 +979,7 @@ cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const f
                                bool renormalize, cudaStream_t s) {
   if (!router_in_oproj_fits(D, E, K) || T > kGemvMaxT) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  return launch(moe_gate_up_routed_kernel, dim3((F + kWarps - 1) / kWarps, T * K), kWarps * 32, 0, s, act, ids,
+  return launch(moe_gate_up_routed_kernel, dim3((F + kWarps - 1) / kWarps + 1, T * K), kWarps * 32, 0, s, act, ids,
                 weights, h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
 }
 

@@ -31,7 +31,7 @@ struct KvPages {  // one sequence in one layer's pool
 };
 
 // Programmatic dependent launch for the decode kernels (gemv, gemv3, qk_norm_rope,
-// attention_decode, moe_route, moe_gate_up, moe_down): see dependent_launch.cuh. Off here by default;
+// attention_decode, moe_route, moe_gate_up[_routed], moe_down): see dependent_launch.cuh. Off here by default;
 // the CUDA backend turns it on (TIERMOE_CUDA_PDL=0 keeps it off).
 void set_programmatic_launch(bool on);
 // The GEMV-style kernels (gemv, gemv3, moe_route) stage their input x once per block in shared
