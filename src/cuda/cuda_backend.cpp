@@ -380,6 +380,14 @@ class CudaBackend final : public Backend {
   void gemm_split(float* y, const bf16* hi, const bf16* lo, const bf16* w, int T, int N, int K, bool accumulate);
   void mlp(const DLinear& gu, const DLinear& down, int T, float* out, bool accumulate);
   void moe(const DLayer& L, int T);
+  enum class MoePath { Grouped, Fused, Experts };  // the kernels moe() runs at T (moe_path)
+  MoePath moe_path(int T) const;
+  // The router folded into the o projection and the experts (cuda::RouterLogits): the fused path
+  // with no shared expert (whose MLP reads moe_route's h). TIERMOE_CUDA_ROUTE=kernel: moe_route.
+  bool router_in_oproj(const DLayer& L, int T) const {
+    return route_in_oproj_ && L.is_moe && moe_path(T) == MoePath::Fused && cfg_.shared_expert_ffn == 0 &&
+           cuda::router_in_oproj_fits(cfg_.hidden_size, cfg_.num_experts, cfg_.top_k);
+  }
 
   ModelConfig cfg_;
   CudaBackendOptions opts_;
@@ -397,6 +405,7 @@ class CudaBackend final : public Backend {
   // Workspace, sized for max_chunk tokens at construction.
   float *x_, *h_, *q_, *k_, *v_, *att_, *gu_, *act_, *tmp_, *router_, *wts_, *sg_, *logits_, *partial_;
   int32_t *ids_, *pos_, *topk_;
+  long long* route_acc_ = nullptr;  // [kGemvMaxT, E] slots: the unscaled router logits (router_in_oproj), 0 between layers
   unsigned* split_counters_;  // attention_decode's, zero between launches
   // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
   // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the expert GEMMs on the tensor cores
@@ -408,6 +417,7 @@ class CudaBackend final : public Backend {
   static constexpr bool kDefaultBatchAttention = true;
   MoeMode moe_mode_ = kDefaultMoe;
   int grouped_min_t_ = 2;  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels
+  bool route_in_oproj_ = true;  // TIERMOE_CUDA_ROUTE=kernel: false
   static constexpr int kMoeGroupedMaxT = 64;
   float* moe_y_ = nullptr;  // grouped / expert-GEMM down projection, [(t, k) rows, D]
   int32_t *moe_rows_ = nullptr, *moe_tiles_ = nullptr;  // moe_sort's output for prompt chunks
@@ -482,12 +492,19 @@ void CudaBackend::read_switches() {
   const int grouped_min_t = min_t ? std::max(1, std::atoi(min_t)) : 2;
   const char* ba = std::getenv("TIERMOE_CUDA_BATCH_ATTN");
   const bool batch_attention = ba ? ba[0] == '1' : kDefaultBatchAttention;
-  if (mode != moe_mode_ || grouped_min_t != grouped_min_t_) {
+  bool in_oproj = true;
+  if (const char* e = std::getenv("TIERMOE_CUDA_ROUTE")) {
+    if (std::strcmp(e, "kernel") == 0) in_oproj = false;
+    else if (std::strcmp(e, "oproj") != 0)
+      throw InputError(std::string("TIERMOE_CUDA_ROUTE=") + e + ": expected oproj or kernel");
+  }
+  if (mode != moe_mode_ || grouped_min_t != grouped_min_t_ || in_oproj != route_in_oproj_) {
     for (auto& [key, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
     graphs_.clear();
   }
   moe_mode_ = mode;
   grouped_min_t_ = grouped_min_t;
+  route_in_oproj_ = in_oproj;
   batch_attention_ = batch_attention;
 }
 
@@ -537,6 +554,9 @@ void CudaBackend::alloc_workspace() {
   router_ = dalloc<float>(owned_, size_t(Tm) * E);
   wts_ = dalloc<float>(owned_, size_t(Tm) * K);
   topk_ = dalloc<int32_t>(owned_, size_t(Tm) * K);
+  const size_t acc_n = size_t(cuda::kGemvMaxT) * E * cuda::kRouterLogitStride;
+  route_acc_ = dalloc<long long>(owned_, acc_n);
+  CUDA_CK(cudaMemset(route_acc_, 0, acc_n * sizeof(long long)));
   sg_ = dalloc<float>(owned_, size_t(Tm));
   logits_ = dalloc<float>(owned_, size_t(Tm) * cfg_.vocab_size);
   ids_ = dalloc<int32_t>(owned_, size_t(Tm));
@@ -690,11 +710,23 @@ void CudaBackend::mlp(const DLinear& gu, const DLinear& down, int T, float* out,
   linear(out, act_, down, T, accumulate);               // [T, D]
 }
 
+CudaBackend::MoePath CudaBackend::moe_path(int T) const {
+  if (moe_mode_ == MoeMode::Grouped && T >= grouped_min_t_ && T <= kMoeGroupedMaxT &&
+      T * cfg_.top_k <= cuda::kMoeGroupedMaxTK)
+    return MoePath::Grouped;
+  return T <= cuda::kGemvMaxT && moe_mode_ != MoeMode::Unfused ? MoePath::Fused : MoePath::Experts;
+}
+
 void CudaBackend::moe(const DLayer& L, int T) {
   const int D = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.top_k, F = cfg_.expert_ffn;
-  const bool grouped = moe_mode_ == MoeMode::Grouped && T >= grouped_min_t_ && T <= kMoeGroupedMaxT &&
-                       T * K <= cuda::kMoeGroupedMaxTK;
-  const bool fused = !grouped && T <= cuda::kGemvMaxT && moe_mode_ != MoeMode::Unfused;
+  const MoePath path = moe_path(T);
+  const bool grouped = path == MoePath::Grouped, fused = path == MoePath::Fused;
+  if (router_in_oproj(L, T)) {  // the o projection summed the logits into route_acc_
+    CUDA_CK(cuda::moe_gate_up_routed(act_, topk_, wts_, x_, L.ffn_norm, cfg_.rms_norm_eps, route_acc_, L.experts_gu,
+                                     T, E, K, F, D, cfg_.norm_topk_prob, stream_));                 // [T, K, F]
+    CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_, route_acc_, E));  // x += ...
+    return;
+  }
   if ((fused || grouped) && T <= cuda::kGemvMaxT) {
     // norm, router, top-k in one launch, the logits on chip
     CUDA_CK(cuda::moe_route(h_, topk_, wts_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T, E, K, D,
@@ -748,9 +780,11 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   const bool tc = tc_decode(pieces);  // decode attention on the tensor cores: qk_norm_rope appends the rows
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
+    const bool route_in_oproj = router_in_oproj(L, T);
     if (T <= cuda::kGemvMaxT) {  // the attention norm folded into the q/k/v GEMV
       CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_,
-                          L.attn_norm, eps));
+                          L.attn_norm, eps, route_in_oproj ? route_acc_ : nullptr,
+                          route_in_oproj ? T * cfg_.num_experts : 0));
     } else {
       CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
       linear(q_, h_, L.q, T, false);
@@ -790,7 +824,11 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                         p.n_splits, p.split_len, partial_, stream_);
       t += size_t(p.n);
     }
-    linear(x_, att_, L.o, T, true);  // x += attn @ Wo^T
+    if (route_in_oproj)  // x += attn @ Wo^T, and the router's logits of x
+      CUDA_CK(cuda::gemv_router_logits(x_, att_, L.o.w, T, L.o.out, L.o.in,
+                                       {L.router.w, L.ffn_norm, route_acc_, cfg_.num_experts}, stream_));
+    else
+      linear(x_, att_, L.o, T, true);  // x += attn @ Wo^T
     if (L.is_moe) {
       moe(L, T);  // the FFN norm inside
     } else {

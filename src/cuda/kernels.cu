@@ -31,6 +31,14 @@ constexpr int kGemvBlockRows = kWarps * kGemvRows;
 static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
 constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
 
+// The router folded into the o projection (RouterLogits, kernels.h) sums each block's share of the
+// unscaled logits in fixed point, units of 2^-32, with integer atomics: the same bits in any block
+// order, where float atomics would make a step's routing depend on scheduling.
+__device__ __forceinline__ void add_logit(long long* acc, float v) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(acc), static_cast<unsigned long long>(__float2ll_rn(v * 0x1p32f)));
+}
+__device__ __forceinline__ float logit_of(long long a) { return float(__ll2double_rn(a) * 0x1p-32); }
+
 // wv[r][j] = chunk (base + lane + 32 j) of row r (rows stride apart), for rows r < nr and chunks
 // < L8 (16-byte chunks per row); the others are left as they are.
 template <int NR, int CH>
@@ -312,14 +320,34 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
   }
 }
 
+// With rl.acc: thread e < rl.E then adds its expert's share of the unscaled router logits over the
+// block's rows of y, rl.Wr[e, rows] . (y[t, rows] * rl.norm_w[rows]), into rl.acc[t, e] (y = h, the
+// residual stream after this projection; its weights are loaded before the wait).
 template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
                                                            bool accumulate, const float* __restrict__ nw, float eps,
-                                                           bool staged) {
+                                                           bool staged, RouterLogits rl) {
   __shared__ GemvStage st;
-  const int n0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kGemvRows;
+  const int d0 = blockIdx.x * kGemvBlockRows, n0 = d0 + (threadIdx.x >> 5) * kGemvRows, e = threadIdx.x;
+  const bool routes = rl.acc && e < rl.E;
+  float wr[kGemvBlockRows];
+#pragma unroll
+  for (int r = 0; r < kGemvBlockRows; ++r)
+    wr[r] = routes && d0 + r < N ? bf(rl.Wr[size_t(e) * N + d0 + r]) * rl.norm_w[d0 + r] : 0.f;
   gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
+  if (!rl.acc) return;
+  __syncthreads();  // the block's rows of y are written
+  if (!routes) return;
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t >= T) break;
+    float p = 0.f;
+#pragma unroll
+    for (int r = 0; r < kGemvBlockRows; ++r)
+      if (d0 + r < N) p = fmaf(wr[r], y[size_t(t) * N + d0 + r], p);
+    add_logit(rl.acc + (size_t(t) * rl.E + e) * kRouterLogitStride, p);
+  }
 }
 
 // Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
@@ -328,6 +356,8 @@ struct GemvSegs {
   const bf16* W[3];
   int N[3];
   int end_block[3];
+  long long* zero;  // zero_n slots of the router's accumulator (RouterLogits) <- 0 by block 0 after the wait
+  int zero_n;
 };
 
 // NR rows per warp: 2 for one token (half the blocks of NR = 1: one wave at the OLMoE / Qwen3
@@ -347,19 +377,41 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
   const int n0 = ((b - first) * kWarps + (threadIdx.x >> 5)) * NR;
   gemv_rows<TT, NORM, NR>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
+  if (b == 0)
+    for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
 }
 
-// One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]. Thread e
-// ranks its logit by counting those that beat it (ties to the lower index, as
-// route_softmax_topk); softmax over all E, weights summed in k order when renormalized.
-__device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize) {
-  __shared__ float red[kWarps], picked[kRouteMaxK];
+// Router logits as NaN-proof values: NaN ranks last, so every rank gets exactly one expert.
+__device__ __forceinline__ float rank_value(float v) { return v != v ? -INFINITY : v; }
+
+// All threads of the block: ids[rank] = e for the K experts whose logits l[e] rank first, a rank
+// being the count of logits that beat e's (ties to the lower index, as route_softmax_topk). P
+// consecutive threads count for one expert, each a P-th of the comparisons (P: a power of two up
+// to 32 with P * E <= blockDim.x), summed by shuffles. No barrier: the caller's publishes ids[].
+__device__ void select_topk(int32_t* ids, const float* l, int E, int K) {
+  int P = 1;
+  while (P < 32 && 2 * P * E <= int(blockDim.x)) P *= 2;
+  const int e = threadIdx.x / P, part = threadIdx.x % P;
+  int rank = 0;
+  if (e < E) {
+    const float v = rank_value(l[e]);
+    for (int j = part; j < E; j += P) {
+      const float lj = rank_value(l[j]);
+      rank += lj > v || (lj == v && j < e);
+    }
+  }
+  for (int o = 1; o < P; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+  if (e < E && part == 0 && rank < K) ids[rank] = e;
+}
+
+// One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]: top-k of l
+// (select_topk), softmax over all E of scale * l (scale > 0 keeps the ranking; 1 leaves l's bits as
+// they are), weights summed in k order when renormalized.
+__device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize,
+                            float scale = 1.f) {
+  __shared__ float red[kWarps], prob[kRouteMaxE];
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
-  auto logit = [&](int j) {
-    const float v = l[j];
-    return v != v ? -INFINITY : v;  // NaN ranks last, so every rank gets exactly one expert
-  };
-  const float v = e < E ? logit(e) : -INFINITY;
+  const float v = e < E ? scale * rank_value(l[e]) : -INFINITY;
   float m = warp_max(v);
   if (lane == 0) red[warp] = m;
   __syncthreads();
@@ -367,28 +419,20 @@ __device__ void route_token(int32_t* ids, float* weights, const float* l, int E,
   for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
   __syncthreads();
   const float p = e < E ? expf(v - m) : 0.f;
+  if (e < E) prob[e] = p;
   float den = warp_sum(p);
   if (lane == 0) red[warp] = den;
+  select_topk(ids, l, E, K);
   __syncthreads();
   den = 0.f;
   for (int w = 0; w < kWarps; ++w) den += red[w];
-  int rank = 0;
-  if (e < E)
-    for (int j = 0; j < E; ++j) {
-      const float lj = logit(j);
-      rank += lj > v || (lj == v && j < e);
-    }
-  if (e < E && rank < K) {
-    ids[rank] = e;
-    picked[rank] = p / den;
-  }
-  __syncthreads();
   if (e < K) {
     float sum = 0.f;
-    for (int k = 0; k < K; ++k) sum += picked[k];
-    weights[e] = renormalize ? picked[e] / sum : picked[e];
+    for (int k = 0; k < K; ++k) sum += prob[ids[k]] / den;
+    const float pe = prob[ids[e]] / den;
+    weights[e] = renormalize ? pe / sum : pe;
   }
-  __syncthreads();  // red[] and picked[] are reused by the next call
+  __syncthreads();  // red[] and prob[] are reused by the next call
 }
 
 __global__ void __launch_bounds__(kWarps * 32) route_topk_kernel(int32_t* ids, float* weights, const float* logits,
@@ -429,6 +473,66 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
   cluster.sync();  // the logits are in the first block's shared memory
   if (cluster.block_rank() != 0) return;
   for (int t = 0; t < T; ++t) route_token(ids + t * K, weights + t * K, lg + t * E, E, K, renormalize);
+}
+
+// The router's last step and moe_gate_up in one launch (RouterLogits, kernels.h). grid (ceil(F / kWarps)
+// + 1, T*K): every block selects its token's experts itself from the logits acc[t] (select_topk),
+// with h_t * nw staged in shared memory; then one warp per (t, k, f) as moe_gate_up, scaled by inv =
+// 1 / rms(h_t) at the end. Only the selection stands between the wait and the weight loads (the sum
+// of squares is gathered with the stage and summed after). The last column's blocks have no rows:
+// for k = 0 it computes the token's softmax weights (inv * acc) and writes them with the ids,
+// beside the others' loads instead of after a block's rows.
+__global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* __restrict__ act, int32_t* ids,
+                                                                         float* weights, const float* __restrict__ h,
+                                                                         const float* __restrict__ nw, float eps,
+                                                                         const long long* acc,
+                                                                         const bf16* __restrict__ Wgu, int E, int K,
+                                                                         int F, int D, bool renormalize) {
+  __shared__ __align__(16) float xs[kStageFloats];  // h_t * nw
+  __shared__ float lg[kRouteMaxE], red[kWarps], sw[kRouteMaxK];
+  __shared__ int32_t sid[kRouteMaxK];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int tk = blockIdx.y, t = tk / K, k = tk % K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < D >> 2; i += blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(h + size_t(t) * D)[i], c = reinterpret_cast<const float4*>(nw)[i];
+    ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+    reinterpret_cast<float4*>(xs)[i] = make_float4(v.x * c.x, v.y * c.y, v.z * c.z, v.w * c.w);
+  }
+  ss = warp_sum(ss);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  select_topk(sid, lg, E, K);
+  __syncthreads();
+  ss = 0.f;
+  for (int w = 0; w < kWarps; ++w) ss += red[w];
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);  // as rmsnorm() computes it
+  if (blockIdx.x == gridDim.x - 1) {  // the router column
+    if (k != 0) return;
+    route_token(sid, sw, lg, E, K, renormalize, inv);
+    if (threadIdx.x < K) {
+      ids[t * K + threadIdx.x] = sid[threadIdx.x];
+      weights[t * K + threadIdx.x] = sw[threadIdx.x];
+    }
+    return;
+  }
+  const int f = blockIdx.x * kWarps + warp;
+  if (f < F) {
+    const bf16* wg = Wgu + (size_t(sid[k]) * 2 * F + f) * D;
+    const bf16* wu = wg + size_t(F) * D;
+    float g = 0.f, u = 0.f;
+#pragma unroll 8
+    for (int i = lane; i < D >> 3; i += 32) {
+      const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
+      g += dot8(a, xs + 8 * i);
+      u += dot8(b, xs + 8 * i);
+    }
+    g = warp_sum(g) * inv;
+    u = warp_sum(u) * inv;
+    if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
+  }
 }
 
 // grid (ceil(F / kWarps), T*K): one warp per (t, k, f).
@@ -476,24 +580,39 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
                                                                   const bf16* __restrict__ Wd,
                                                                   const int32_t* __restrict__ ids,
                                                                   const float* __restrict__ weights, int K, int D,
-                                                                  int F, int R) {
+                                                                  int F, int R, const long long* acc, int E) {
   __shared__ float part[kMaxDownRows * kRouteMaxK];  // [R, K], R * K <= NR * max(kWarps, K)
   const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R, jobs = K * (R / NR);
   // The first round of the warp's first job is loaded BEFORE pdl_wait(): ids come from moe_route,
   // the kernel before the previous one, which had finished before moe_gate_up (whose blocks all
   // passed their pdl_wait() before this grid could start) went on; weights no kernel writes.
-  auto job_rows = [&](int j) { return Wd + (size_t(ids[t * K + j % K]) * D + d0 + NR * (j / K)) * F; };
+  // With acc (the router folded into the o projection, two kernels back) the block selects the
+  // token's experts from the logits itself, as moe_gate_up_routed did: the same ranking of the same bits.
+  __shared__ float lg[kRouteMaxE];
+  __shared__ int32_t sid[kRouteMaxK];
+  if (acc) {
+    if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
+    __syncthreads();
+    select_topk(sid, lg, E, K);
+    __syncthreads();
+  }
+  auto job_rows = [&](int j) {
+    const int e = acc ? sid[j % K] : ids[t * K + j % K];
+    return Wd + (size_t(e) * D + d0 + NR * (j / K)) * F;
+  };
   uint4 wv[NR][CH];
   const int j0 = threadIdx.x >> 5;
   if ((F & 7) == 0 && j0 < jobs) load_row_chunks(wv, job_rows(j0), F, max(0, min(NR, D - (d0 + NR * (j0 / K)))), lane, F >> 3);
   // The routing weights (moe_route's) and the residual (written by the o projection, before
   // moe_route started) are final too: loaded now, they are off the end of the critical path.
+  // With acc the weights come from moe_gate_up_routed, the kernel before: read after the wait.
   __shared__ float wk[kRouteMaxK];
-  if (threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
+  if (!acc && threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
   const int r = threadIdx.x;
   const float x_old = r < R && d0 + r < D ? x[size_t(t) * D + d0 + r] : 0.f;
   pdl_wait();
   pdl_launch_dependents();
+  if (acc && threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
   for (int j = j0; j < jobs; j += kWarps) {
     const int k = j % K, r0 = NR * (j / K), nr = max(0, min(NR, D - (d0 + r0)));
     const bf16* w = job_rows(j);
@@ -751,24 +870,42 @@ cudaError_t to_bf16(bf16* hi, bf16* lo, const float* x, size_t n, cudaStream_t s
   return cudaGetLastError();
 }
 
+namespace {
 template <int TT>
 cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
-                        float eps, cudaStream_t s) {
+                        float eps, RouterLogits rl, cudaStream_t s) {
   const unsigned grid = unsigned((N + kGemvBlockRows - 1) / kGemvBlockRows);
   const bool staged = stage_fits(T, K);
-  if (!nw) return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged);
-  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged);
+  if (!nw)
+    return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl);
+  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl);
 }
+
+cudaError_t gemv_any(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* norm_w,
+                     float eps, RouterLogits rl, cudaStream_t s) {
+  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  cudaError_t e;
+  if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  else if (T <= 4) e = launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  else e = launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+}  // namespace
 
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
                  const float* norm_w, float eps) {
-  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
-  cudaError_t e;
-  if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  else if (T <= 4) e = launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  else e = launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, s);
-  return e != cudaSuccess ? e : cudaGetLastError();
+  return gemv_any(y, x, W, T, N, K, accumulate, norm_w, eps, RouterLogits{}, s);
+}
+
+bool router_in_oproj_fits(int D, int E, int K) {
+  return D % 8 == 0 && D <= kStageFloats && E >= 1 && E <= kRouteMaxE && K >= 1 && K <= kRouteMaxK && K <= E;
+}
+
+cudaError_t gemv_router_logits(float* y, const float* x, const bf16* W, int T, int N, int K, RouterLogits rl,
+                               cudaStream_t s) {
+  if (!rl.acc || !router_in_oproj_fits(N, rl.E, 1)) return cudaErrorInvalidValue;
+  return gemv_any(y, x, W, T, N, K, true, nullptr, 0.f, rl, s);
 }
 
 template <int TT>
@@ -788,9 +925,10 @@ cudaError_t launch_gemv3(GemvSegs g, const float* x, int T, int K, const float* 
 }
 
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
-                  int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w, float eps) {
-  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
-  const GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}};
+                  int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w, float eps,
+                  long long* zero, int zero_n) {
+  if (T <= 0 || T > kGemvMaxT || zero_n < 0 || (zero_n > 0 && !zero)) return cudaErrorInvalidValue;
+  const GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}, zero, zero_n};
   cudaError_t e;
   if (T == 1) e = launch_gemv3<1>(g, x, T, K, norm_w, eps, s);
   else if (T == 2) e = launch_gemv3<2>(g, x, T, K, norm_w, eps, s);
@@ -836,6 +974,15 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
   return launch(moe_gate_up_kernel, dim3((F + kWarps - 1) / kWarps, T * K), kWarps * 32, 0, s, act, h, Wgu, ids, K, F, D);
 }
 
+cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const float* h, const float* norm_w, float eps,
+                               const long long* acc, const bf16* Wgu, int T, int E, int K, int F, int D,
+                               bool renormalize, cudaStream_t s) {
+  if (!router_in_oproj_fits(D, E, K) || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  return launch(moe_gate_up_routed_kernel, dim3((F + kWarps - 1) / kWarps + 1, T * K), kWarps * 32, 0, s, act, ids,
+                weights, h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
+}
+
 namespace {
 // moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per
 // SM. The launch takes the one whose grid is the largest that fits one wave (4 blocks per SM),
@@ -843,7 +990,8 @@ namespace {
 // wave won both ways -- NR 2 (512 blocks) at Mixtral's D = 4096, K = 2 (7.99 against 8.09 ms per
 // token), NR 4 (512 blocks) at OLMoE's / Qwen3-30B-A3B's D = 2048, K = 8 by 2-3%.
 // TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4 (A/B; set_moe_down_variant).
-using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int);
+using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int,
+                           const long long*, int);
 constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4>, kDown4 = moe_down_kernel<4, 2, 4>;
 int g_moe_down_variant = 0;
 }  // namespace
@@ -852,15 +1000,15 @@ int moe_down_variants() { return 3; }
 void set_moe_down_variant(int v) { g_moe_down_variant = v >= 0 && v < moe_down_variants() ? v : 0; }
 
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
-                     int K, int D, int F, cudaStream_t s) {
+                     int K, int D, int F, cudaStream_t s, const long long* acc, int E) {
   if (T == 0) return cudaSuccess;
-  if (K < 1 || K > kRouteMaxK) return cudaErrorInvalidValue;
+  if (K < 1 || K > kRouteMaxK || (acc && (E < K || E > kRouteMaxE))) return cudaErrorInvalidValue;
   const int groups = std::max(1, kWarps / K);  // groups of NR rows per block (K jobs each): R = NR * groups
   const int blocks_of_two = (D + 2 * groups - 1) / (2 * groups) * T;
   const bool two = g_moe_down_variant == 1 || (g_moe_down_variant == 0 && blocks_of_two <= 4 * sm_count());
   const int R = (two ? 2 : 4) * groups;
   return launch(two ? kDown2 : kDown4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F,
-                R);
+                R, acc, E);
 }
 
 cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s) {

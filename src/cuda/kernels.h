@@ -31,7 +31,7 @@ struct KvPages {  // one sequence in one layer's pool
 };
 
 // Programmatic dependent launch for the decode kernels (gemv, gemv3, qk_norm_rope,
-// attention_decode, moe_route, moe_gate_up, moe_down): see dependent_launch.cuh. Off here by default;
+// attention_decode, moe_route, moe_gate_up[_routed], moe_down): see dependent_launch.cuh. Off here by default;
 // the CUDA backend turns it on (TIERMOE_CUDA_PDL=0 keeps it off).
 void set_programmatic_launch(bool on);
 // The GEMV-style kernels (gemv, gemv3, moe_route) stage their input x once per block in shared
@@ -76,9 +76,41 @@ cudaError_t to_bf16(bf16* hi, bf16* lo, const float* x, size_t n, cudaStream_t s
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
                  const float* norm_w = nullptr, float eps = 0.f);
 
-// Three gemv()s sharing x[T, K] in one launch (q, k, v projections): yi[T, Ni] = x Wi^T.
+// Three gemv()s sharing x[T, K] in one launch (q, k, v projections): yi[T, Ni] = x Wi^T. With zero,
+// its first zero_n slots are set to 0 after the wait (the router's accumulator, RouterLogits below).
 cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
-                  int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w = nullptr, float eps = 0.f);
+                  int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w = nullptr, float eps = 0.f,
+                  long long* zero = nullptr, int zero_n = 0);
+
+// The router folded into the o projection, for the small-batch MoE (T <= kGemvMaxT): no router
+// launch and no wait for one. The logits are linear in h: Wr (rmsnorm(h) * nw) = inv(h) * Wr (h * nw),
+// inv = 1 / rms(h). So each block of the o projection, which writes rows of h, adds those rows'
+// share of the unscaled logits Wr (h * nw) into acc[T, E] (gemv_router_logits); moe_gate_up_routed
+// takes inv from h, which it stages anyway, and routes every token itself; moe_down (with acc)
+// selects the same experts from the same bits before its wait, to start loading their rows.
+// acc is fixed point (units of 2^-32, so |logit| < 2^31 before scaling), summed by integer atomics:
+// the same bits in any block order. It must be 0 before the o projection (gemv3's zero does it).
+// Top-k is ranked on the unscaled logits (inv > 0 keeps the order; the CPU twin ranks the scaled
+// ones, so only ties made by rounding could differ).
+//   twin: matmul_add + rmsnorm + matmul + route_softmax_topk + the CPU MoE
+// acc's slots are kRouterLogitStride values (128 bytes) apart, so that the o projection's blocks'
+// atomics spread over L2 slices instead of queueing at a few.
+constexpr int kRouterLogitStride = 16;
+struct RouterLogits {
+  const bf16* Wr = nullptr;       // [E, N] router
+  const float* norm_w = nullptr;  // [N] the FFN norm
+  long long* acc = nullptr;       // [T, E] slots, kRouterLogitStride apart
+  int E = 0;
+};
+bool router_in_oproj_fits(int D, int E, int K);  // D % 8 == 0, D <= 4096, E <= kRouteMaxE, K <= min(E, kRouteMaxK)
+// y[T, N] += x[T, K] @ W[N, K]^T (gemv, accumulate) and acc[T, E] += Wr (y * norm_w) by row blocks.
+cudaError_t gemv_router_logits(float* y, const float* x, const bf16* W, int T, int N, int K, RouterLogits rl,
+                               cudaStream_t s);
+// moe_gate_up with the routing done per block from acc: act as moe_gate_up for h_n = rmsnorm(h, norm_w);
+// ids[T, K] and weights[T, K] as moe_route writes them.
+cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const float* h, const float* norm_w, float eps,
+                               const long long* acc, const bf16* Wgu, int T, int E, int K, int F, int D,
+                               bool renormalize, cudaStream_t s);
 // gemv3's rows per warp, for A/B timing: 0 (default) chosen per launch (2 for one token, else 1),
 // 1 or 2 forced.
 void set_gemv3_rows(int rows);
@@ -102,9 +134,10 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 // x[T, D] += sum_k weights[t, k] * Wd[e] act[t, k]; Wd[E, D, F]. Residual add included.
 // Under programmatic launch it reads ids (to start loading weights), weights and x before it waits
 // for the kernel before it: they must come from an earlier kernel than that one (moe_route after
-// the o projection, then moe_gate_up), or a copy.
+// the o projection, then moe_gate_up), or a copy. With acc[T, E] (RouterLogits) it selects the
+// experts from acc instead of reading ids, and reads weights (moe_gate_up_routed's) after the wait.
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
-                     int K, int D, int F, cudaStream_t s);
+                     int K, int D, int F, cudaStream_t s, const long long* acc = nullptr, int E = 0);
 // moe_down's kernel shape, for A/B timing: 0 (default) chosen per launch, 1 / 2 pinned to 2 / 4 rows per warp.
 int moe_down_variants();
 void set_moe_down_variant(int v);

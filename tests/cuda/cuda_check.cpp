@@ -444,6 +444,74 @@ void check_moe() {
   }
 }
 
+// The router folded into the o projection (cu::RouterLogits): gemv_router_logits (x += a Wo^T, the
+// unscaled logits summed into acc), moe_gate_up_routed (per-block routing), moe_down selecting its
+// experts from acc, against the CPU twin's o projection, rmsnorm, router matmul, top-k and MoE; ids
+// exact, every moe_down shape, two runs bit-identical. "ties": router rows duplicated in pairs.
+void check_moe_routed() {
+  struct C { int T, E, K, D, Da, F; bool renorm, ties; };
+  for (C c : {C{1, 64, 8, 2048, 2048, 64, false, false}, C{1, 128, 8, 2048, 4096, 48, true, false},
+              C{1, 8, 2, 4096, 4096, 112, true, false}, C{3, 60, 6, 48, 40, 24, true, true},
+              C{8, 256, 8, 64, 72, 16, false, false}, C{2, 256, 32, 128, 96, 8, true, true},
+              C{1, 33, 1, 24, 30, 40, false, true}, C{5, 16, 4, 104, 64, 36, true, false}}) {
+    const size_t TD = size_t(c.T) * c.D;
+    auto x0 = randn(TD), a = randn(size_t(c.T) * c.Da), nw = randn(c.D), wr = randn(size_t(c.E) * c.D, 0.05f);
+    if (c.ties)
+      for (int e = 1; e < c.E; e += 2) std::copy_n(wr.begin() + size_t(e - 1) * c.D, c.D, wr.begin() + size_t(e) * c.D);
+    const auto wob = bf16_of(randn(size_t(c.D) * c.Da, 0.05f)), wrb = bf16_of(wr);
+    MoeData m;
+    m.gub = bf16_of(randn(size_t(c.E) * 2 * c.F * c.D, 0.05f));
+    m.dnb = bf16_of(randn(size_t(c.E) * c.D * c.F, 0.05f));
+    // CPU twin: h = x0 + a Wo^T; routing from rmsnorm(h); the MoE of the normed h added to h.
+    std::vector<float> h = x0, hn(TD), logits(size_t(c.T) * c.E);
+    matmul_add(h.data(), a.data(), wob.data(), DType::BF16, c.T, c.D, c.Da);
+    rmsnorm(hn.data(), h.data(), nw.data(), c.T, c.D, 1e-6f);
+    matmul(logits.data(), hn.data(), wrb.data(), DType::BF16, c.T, c.E, c.D);
+    m.ids.resize(size_t(c.T) * c.K);
+    m.w.resize(m.ids.size());
+    for (int t = 0; t < c.T; ++t)
+      route_softmax_topk(logits.data() + size_t(t) * c.E, c.E, c.K, c.renorm, m.ids.data() + t * c.K, m.w.data() + t * c.K);
+    m.ref = h;
+    std::vector<float> g(c.F), u(c.F), act(c.F), y(c.D);
+    for (int t = 0; t < c.T; ++t)
+      for (int k = 0; k < c.K; ++k) {
+        const int e = m.ids[t * c.K + k];
+        const uint16_t* wg = m.gub.data() + size_t(e) * 2 * c.F * c.D;
+        matmul(g.data(), hn.data() + t * c.D, wg, DType::BF16, 1, c.F, c.D);
+        matmul(u.data(), hn.data() + t * c.D, wg + size_t(c.F) * c.D, DType::BF16, 1, c.F, c.D);
+        silu_mul(act.data(), g.data(), u.data(), 1, c.F);
+        matmul(y.data(), act.data(), m.dnb.data() + size_t(e) * c.D * c.F, DType::BF16, 1, c.D, c.F);
+        for (int d = 0; d < c.D; ++d) m.ref[t * c.D + d] += m.w[t * c.K + k] * y[d];
+      }
+    m.x0 = x0;
+    Dev<float> da(a), dnw(nw), dact(size_t(c.T) * c.K * c.F), dwt(m.w.size());
+    Dev<uint16_t> dwo(wob), dwr(wrb), dgu(m.gub), ddn(m.dnb);
+    Dev<int32_t> di(m.ids.size());
+    Dev<long long> acc(size_t(c.T) * c.E * cu::kRouterLogitStride);
+    for (int v = 0; v < cu::moe_down_variants(); ++v) {  // every shape of moe_down
+      cu::set_moe_down_variant(v);
+      int wrong = 0;
+      double werr = 0;
+      report_moe(fmt("o-proj router + moe_gate_up_routed + moe_down T=%d E=%d K=%d D=%d F=%d%s down %d", c.T, c.E, c.K,
+                     c.D, c.F, c.ties ? " ties" : "", v),
+                 MoeCase{c.T, c.E, c.K, c.D, c.F}, m, [&](float* x) {
+                   CK(cudaMemset(acc.p, 0, acc.n * sizeof(long long)));
+                   dact.poison(), di.poison(), dwt.poison();
+                   CK(cu::gemv_router_logits(x, da.p, dwo.p, c.T, c.D, c.Da, {dwr.p, dnw.p, acc.p, c.E}, 0));
+                   CK(cu::moe_gate_up_routed(dact.p, di.p, dwt.p, x, dnw.p, 1e-6f, acc.p, dgu.p, c.T, c.E, c.K, c.F,
+                                             c.D, c.renorm, 0));
+                   CK(cu::moe_down(x, dact.p, ddn.p, di.p, dwt.p, c.T, c.K, c.D, c.F, 0, acc.p, c.E));
+                   const auto gi = di.get();
+                   for (size_t i = 0; i < gi.size(); ++i) wrong += gi[i] != m.ids[i];
+                   werr = std::max(werr, rel(dwt.get(), m.w));
+                 });
+      report(fmt("  its routing ids and weights (x2)"), werr, 1e-5, fmt("ids %s", wrong ? "DIFFER" : "exact"));
+      if (wrong) ++g_fail;
+    }
+    cu::set_moe_down_variant(0);
+  }
+}
+
 // The grouped kernels: T up to 64, experts with many tokens (several passes of a token group),
 // with none, odd D and F (the scalar path).
 void check_moe_grouped() {
@@ -1505,7 +1573,7 @@ int main(int argc, char** argv) {
     const std::pair<const char*, void (*)()> checks[] = {
         {"gemv", check_gemv}, {"gemv3", check_gemv3}, {"gemv3_rows", check_gemv3_rows}, {"gemv_unstaged", check_gemv_unstaged},
         {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
-        {"route", check_route}, {"moe_route", check_moe_route}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
+        {"route", check_route}, {"moe_route", check_moe_route}, {"moe_routed", check_moe_routed}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
         {"attention_prefill", check_attention_prefill},
         {"attention_prefill_decode", check_attention_prefill_decode}, {"attention_decode", check_attention_decode},
