@@ -145,13 +145,15 @@ if [ "$MODE" = sampling ]; then  # same binary, two interleaved rounds
   exit 0
 fi
 if [ "$MODE" = moe ]; then
-  # The fused MoE layer against the unfused one (same binary, one run), B = 1 and 8, ctx 1024.
-  sizes="1 8"; variants="fused unfused"; gen=64
+  # The fused MoE layer against the unfused one (same binary, one run), B = 1 and 8, ctx 1024;
+  # fused-routekernel: the fused kernels with the router as a launch of its own (TIERMOE_CUDA_ROUTE=kernel).
+  sizes="1 8"; variants="grouped fused fused-routekernel unfused"; gen=64
   for cfg in olmoe-1b-7b-v8192.json qwen3-30b-a3b-L16-v8192.json; do
     for B in $sizes; do
       for moe in $variants; do
         log "$MODE $cfg B=$B $moe"
-        timeout 100 env TIERMOE_CUDA_MOE=$moe $C bench --config configs/$cfg --ctx 1024 --gen $gen --repeats 2 --batch $B |
+        route=oproj; [ $moe = fused-routekernel ] && route=kernel
+        timeout 100 env TIERMOE_CUDA_MOE=${moe%-routekernel} TIERMOE_CUDA_ROUTE=$route $C bench --config configs/$cfg --ctx 1024 --gen $gen --repeats 2 --batch $B |
           sed "s/^{/{\"variant\":\"$moe\",/" >> "$OUT/$MODE.jsonl"
       done
     done
