@@ -839,6 +839,9 @@ cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k
   if (T == 0) return cudaSuccess;
   full = full && q_norm;
   const int segs = full ? 2 : H + Hkv, pairs = (full ? H : 1) * Dh / 2;
+  // A thread per rotated pair (up to 1024): each pair is a chain of dependent steps (load, norm,
+  // powf + sincosf, store), and fewer threads lengthen it -- 256 per block cost 4-5% per token at
+  // OLMoE's shape (docs/benchmarks.md).
   const int threads = std::min(1024, std::max(32, (pairs + 31) / 32 * 32));
   return launch(qk_norm_rope_kernel, dim3(segs, T), threads, 0, s, q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta,
                 append, v);
