@@ -390,6 +390,22 @@ struct MoeData {
   std::vector<uint16_t> gub, dnb;
   std::vector<int32_t> ids;
 };
+// The CPU twin of the selected experts: m.ref[t] += sum_k w[t, k] * down(silu(gate h_t) * up h_t),
+// e = ids[t, k], from m's expert weights; h[T, D] is the (normed) input.
+void add_moe_reference(MoeData& m, const MoeCase& c, const float* h) {
+  std::vector<float> g(c.F), u(c.F), a(c.F), y(c.D);
+  for (int t = 0; t < c.T; ++t)
+    for (int k = 0; k < c.K; ++k) {
+      const int e = m.ids[t * c.K + k];
+      const uint16_t* wg = m.gub.data() + size_t(e) * 2 * c.F * c.D;
+      matmul(g.data(), h + t * c.D, wg, DType::BF16, 1, c.F, c.D);
+      matmul(u.data(), h + t * c.D, wg + size_t(c.F) * c.D, DType::BF16, 1, c.F, c.D);
+      silu_mul(a.data(), g.data(), u.data(), 1, c.F);
+      matmul(y.data(), a.data(), m.dnb.data() + size_t(e) * c.D * c.F, DType::BF16, 1, c.D, c.F);
+      for (int d = 0; d < c.D; ++d) m.ref[t * c.D + d] += m.w[t * c.K + k] * y[d];
+    }
+}
+
 MoeData moe_case(const MoeCase& c) {
   MoeData m;
   m.h = randn(size_t(c.T) * c.D);
@@ -404,17 +420,7 @@ MoeData moe_case(const MoeCase& c) {
     route_softmax_topk(lg.data(), c.E, c.K, true, m.ids.data() + t * c.K, m.w.data() + t * c.K);
   }
   m.ref = m.x0;
-  std::vector<float> g(c.F), u(c.F), a(c.F), y(c.D);
-  for (int t = 0; t < c.T; ++t)
-    for (int k = 0; k < c.K; ++k) {
-      const int e = m.ids[t * c.K + k];
-      const uint16_t* wg = m.gub.data() + size_t(e) * 2 * c.F * c.D;
-      matmul(g.data(), m.h.data() + t * c.D, wg, DType::BF16, 1, c.F, c.D);
-      matmul(u.data(), m.h.data() + t * c.D, wg + size_t(c.F) * c.D, DType::BF16, 1, c.F, c.D);
-      silu_mul(a.data(), g.data(), u.data(), 1, c.F);
-      matmul(y.data(), a.data(), m.dnb.data() + size_t(e) * c.D * c.F, DType::BF16, 1, c.D, c.F);
-      for (int d = 0; d < c.D; ++d) m.ref[t * c.D + d] += m.w[t * c.K + k] * y[d];
-    }
+  add_moe_reference(m, c, m.h.data());
   return m;
 }
 
@@ -471,6 +477,7 @@ void check_moe_routed() {
               C{8, 256, 8, 64, 72, 16, false, false}, C{2, 256, 32, 128, 96, 8, true, true},
               C{1, 33, 1, 24, 30, 40, false, true}, C{5, 16, 4, 104, 64, 36, true, false}}) {
     const size_t TD = size_t(c.T) * c.D;
+    const MoeCase mc{c.T, c.E, c.K, c.D, c.F};
     auto x0 = randn(TD), a = randn(size_t(c.T) * c.Da), nw = randn(c.D), wr = randn(size_t(c.E) * c.D, 0.05f);
     if (c.ties)
       for (int e = 1; e < c.E; e += 2) std::copy_n(wr.begin() + size_t(e - 1) * c.D, c.D, wr.begin() + size_t(e) * c.D);
@@ -488,17 +495,7 @@ void check_moe_routed() {
     for (int t = 0; t < c.T; ++t)
       route_softmax_topk(logits.data() + size_t(t) * c.E, c.E, c.K, c.renorm, m.ids.data() + t * c.K, m.w.data() + t * c.K);
     m.ref = h;
-    std::vector<float> g(c.F), u(c.F), act(c.F), y(c.D);
-    for (int t = 0; t < c.T; ++t)
-      for (int k = 0; k < c.K; ++k) {
-        const int e = m.ids[t * c.K + k];
-        const uint16_t* wg = m.gub.data() + size_t(e) * 2 * c.F * c.D;
-        matmul(g.data(), hn.data() + t * c.D, wg, DType::BF16, 1, c.F, c.D);
-        matmul(u.data(), hn.data() + t * c.D, wg + size_t(c.F) * c.D, DType::BF16, 1, c.F, c.D);
-        silu_mul(act.data(), g.data(), u.data(), 1, c.F);
-        matmul(y.data(), act.data(), m.dnb.data() + size_t(e) * c.D * c.F, DType::BF16, 1, c.D, c.F);
-        for (int d = 0; d < c.D; ++d) m.ref[t * c.D + d] += m.w[t * c.K + k] * y[d];
-      }
+    add_moe_reference(m, mc, hn.data());
     m.x0 = x0;
     Dev<float> da(a), dnw(nw), dact(size_t(c.T) * c.K * c.F), dwt(m.w.size());
     Dev<uint16_t> dwo(wob), dwr(wrb), dgu(m.gub), ddn(m.dnb);
@@ -510,7 +507,7 @@ void check_moe_routed() {
       double werr = 0;
       report_moe(fmt("o-proj router + moe_gate_up_routed + moe_down T=%d E=%d K=%d D=%d F=%d%s down %d", c.T, c.E, c.K,
                      c.D, c.F, c.ties ? " ties" : "", v),
-                 MoeCase{c.T, c.E, c.K, c.D, c.F}, m, [&](float* x) {
+                 mc, m, [&](float* x) {
                    CK(cudaMemset(acc.p, 0, acc.n * sizeof(long long)));
                    dact.poison(), di.poison(), dwt.poison();
                    CK(cu::gemv_router_logits(x, da.p, dwo.p, c.T, c.D, c.Da, {dwr.p, dnw.p, acc.p, c.E}, 0));
