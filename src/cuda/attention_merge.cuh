@@ -46,8 +46,11 @@ template <int MAXI>
 __device__ inline void merge_splits(float* __restrict__ out, const float* __restrict__ p, int nh, int n_splits,
                                     int Dh, float* buf, int buf_floats, float* Mh, float* scale) {
   const int row = Dh + 2, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = int(blockDim.x >> 5);
-  const int per_chunk = min(n_splits, (buf_floats - 8) / row);  // splits per chunk: merge_span() fits
-  const int span = merge_span(per_chunk, Dh);                    // floats of buf per head
+  // Splits per chunk: the most whose merge_span() fits buf (at least 1: buf holds merge_span(1, Dh)).
+  int per_chunk = min(n_splits, (buf_floats - 4) / row);
+  if (per_chunk > 1 && merge_span(per_chunk, Dh) > buf_floats) --per_chunk;
+  per_chunk = max(per_chunk, 1);
+  const int span = merge_span(per_chunk, Dh);  // floats of buf per head
   const int heads = per_chunk == n_splits ? max(1, min(nh, buf_floats / span)) : 1;  // per group
   for (int g0 = 0; g0 < nh; g0 += heads) {
     const int hn = min(heads, nh - g0);
