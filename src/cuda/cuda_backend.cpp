@@ -264,7 +264,6 @@ class CudaBackend final : public Backend {
     cuda::set_programmatic_launch(!(pdl && pdl[0] == '0'));
     const char* stage = std::getenv("TIERMOE_CUDA_GEMV_STAGE");
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
-    if (const char* e = std::getenv("TIERMOE_CUDA_MERGE_STAGE")) cuda::set_merge_stage(std::atoi(e));
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));

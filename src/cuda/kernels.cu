@@ -735,50 +735,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   }
 }
 
-// attention_combine_kernel's weights in shared memory: n_splits rounded up to 8 (zeros past it), as
-// nvcc reads them 16 bytes at a time even at the end of the array (memcheck: out of bounds at 2 splits).
-__host__ __device__ constexpr int combine_padded(int n_splits) { return (n_splits + 7) & ~7; }
-
-// grid T*H: merges the splits of one (t, h). Staged (where the rows fit in 48 KB: up to 94 splits
-// at Dh 128): merge_staged(), one L2 round trip (ncu, H200, 40 splits: 9.8 us unstaged). Else the
-// block weighs each split once (w[s] = e^(m_s - M) in shared memory), then every thread sums its
-// output elements over the splits, loads unrolled: a serial loop with an exp per (split, element)
-// took 16 us for 40 splits.
-__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh, bool staged) {
-  extern __shared__ __align__(16) float w[];  // staged: merge_stage_floats(1, n_splits, Dh); else combine_padded(n_splits)
-  __shared__ float red[32];
+// grid T*H: merges the splits of one (t, h) (merge_splits: one L2 round trip where the rows fit in
+// buf_floats of shared memory -- up to 94 splits at Dh 128 in 48 KB --, else in chunks of splits;
+// ncu, H200, 40 splits: 9.8 us when it read them in place).
+__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh, int buf_floats) {
+  extern __shared__ __align__(16) float buf[];
+  __shared__ float Mh[1], scale[1];
   pdl_wait();
   pdl_launch_dependents();
-  const size_t th = blockIdx.x, row = size_t(Dh) + 2;
-  const float* p = partial + th * n_splits * row;
-  if (staged) return merge_staged(out + th * Dh, p, 1, n_splits, Dh, w, red);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = int(blockDim.x >> 5);
-  float m = -INFINITY;
-  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) m = fmaxf(m, p[s * row]);
-  m = warp_max(m);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  float M = red[0];
-  for (int i = 1; i < warps; ++i) M = fmaxf(M, red[i]);
-  __syncthreads();
-  float l = 0.f;
-  for (int s = threadIdx.x; s < combine_padded(n_splits); s += blockDim.x) {
-    const float ms = s < n_splits ? p[s * row] : -INFINITY;
-    const float ws = ms == -INFINITY ? 0.f : expf(ms - M);  // -inf: a split with no visible key (or padding)
-    w[s] = ws;
-    if (s < n_splits) l += p[s * row + 1] * ws;
-  }
-  l = warp_sum(l);
-  if (lane == 0) red[warp] = l;
-  __syncthreads();
-  float L = 0.f;
-  for (int i = 0; i < warps; ++i) L += red[i];
-  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-    float a = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < n_splits; ++s) a = fmaf(p[s * row + 2 + d], w[s], a);
-    out[th * Dh + d] = a / L;
-  }
+  const size_t th = blockIdx.x;
+  merge_splits<4>(out + th * Dh, partial + th * n_splits * (Dh + 2), 1, n_splits, Dh, buf, buf_floats, Mh, scale);
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -807,13 +773,8 @@ unsigned grid_for(size_t n, int threads = 256) {
 
 bool g_programmatic_launch = false;
 int g_gemv3_rows = 0;  // gemv3's rows per warp: 0 chosen per launch, else forced
-
-int g_merge_stage = 3;  // set_merge_stage()
-
 }  // namespace
 
-void set_merge_stage(int bits) { g_merge_stage = bits & 3; }
-int merge_stage() { return g_merge_stage; }
 bool programmatic_launch() { return g_programmatic_launch; }
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
@@ -1032,12 +993,10 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  const size_t smem = size_t(combine_padded(n_splits)) * sizeof(float);
-  const size_t staged = size_t(merge_stage_floats(1, n_splits, Dh)) * sizeof(float);
-  if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  const bool stage = (g_merge_stage & 2) && staged <= 48 * 1024 && Dh % 2 == 0;  // merge_staged's rows: even lengths
-  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, stage ? staged : smem, s, out, partial, n_splits,
-                Dh, stage);
+  if (n_splits < 1 || Dh < 1 || Dh > kAttnMaxDh) return cudaErrorInvalidValue;
+  const int buf_floats = std::min(merge_stage_floats(1, n_splits, Dh), 48 * 1024 / int(sizeof(float)));
+  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, size_t(buf_floats) * sizeof(float), s, out,
+                partial, n_splits, Dh, buf_floats);
 }
 
 cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s) {
