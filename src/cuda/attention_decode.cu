@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, const int32_t* table, const int32_t* const* __restrict__ tables,
     const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
-    int Dh, bool early, bool staged_merge) {
+    int Dh, bool early) {
   // gridDim.x = Hkv * HG: HG blocks share a KV head, each with G of its query heads from head h0.
   const int HG = gridDim.x / Hkv, kvh = blockIdx.x / HG, hg = blockIdx.x % HG;
   const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
@@ -234,42 +234,11 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  __shared__ float Mh[GM];
-  if (staged_merge && merge_stage_floats(G, n_splits, Dh) <= kTileElems) {  // the rows fit in the tiles' 32 KB
-    merge_staged(out + (size_t(t) * H + h0) * Dh, partial + (size_t(t) * H + h0) * n_splits * (Dh + 2), G, n_splits,
-                 Dh, reinterpret_cast<float*>(kvtile), Mh);
-    return;
-  }
-  // Else (long contexts) from L2: the heads' maxima first (one warp per head), then every thread
-  // on (head, pair of dims) items, loads of 8 splits in flight at a time to hide the L2 latency.
-  for (int g = warp; g < G; g += kWarpsPerBlock) {
-    const float* p = partial + (size_t(t) * H + h0 + g) * n_splits * (Dh + 2);
-    float M = -INFINITY;
-    for (int i = lane; i < n_splits; i += 32) M = fmaxf(M, __ldcg(p + size_t(i) * (Dh + 2)));
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    if (lane == 0) Mh[g] = M;
-  }
-  __syncthreads();
-  for (int it = threadIdx.x; it < G * Dh / 2; it += blockDim.x) {
-    const int g = it / (Dh / 2), c = it % (Dh / 2);
-    const float* p = partial + (size_t(t) * H + h0 + g) * n_splits * (Dh + 2);
-    const float M = Mh[g];
-    float2 a = make_float2(0.f, 0.f);
-    float Lsum = 0.f;
-#pragma unroll 8
-    for (int i = 0; i < n_splits; ++i) {
-      const float* pi = p + size_t(i) * (Dh + 2);
-      const float ms = __ldcg(pi), ls = __ldcg(pi + 1);
-      const float2 v = __ldcg(reinterpret_cast<const float2*>(pi + 2) + c);
-      const float w = ms == -INFINITY ? 0.f : expf(ms - M);
-      Lsum = fmaf(ls, w, Lsum);
-      a.x = fmaf(v.x, w, a.x);
-      a.y = fmaf(v.y, w, a.y);
-    }
-    float* o = out + (size_t(t) * H + h0 + g) * Dh + 2 * c;
-    o[0] = a.x / Lsum;
-    o[1] = a.y / Lsum;
-  }
+  __shared__ float Mh[GM], wscale[GM];
+  // The rows into the tiles' 32 KB (merge_splits: in chunks where they do not fit).
+  merge_splits<2 * GM>(out + (size_t(t) * H + h0) * Dh, partial + (size_t(t) * H + h0) * n_splits * (Dh + 2), G,
+                       n_splits, Dh, reinterpret_cast<float*>(kvtile), kTileElems /* floats in 2 BF16 tiles */, Mh,
+                       wscale);
 }
 
 }  // namespace
@@ -300,7 +269,7 @@ cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* 
   auto* kernel = G == 1 ? attention_decode_kernel<1>
                         : (G == 2 ? attention_decode_kernel<2> : (G <= 4 ? attention_decode_kernel<4> : attention_decode_kernel<8>));
   return launch(kernel, grid, threads, 0, s, out, partial, counters, q, kc, vc, table, tables, k_new, v_new, pos, H,
-                Hkv, Dh, g_attention_early, (merge_stage() & 1) != 0);
+                Hkv, Dh, g_attention_early);
 }
 }  // namespace
 

@@ -264,7 +264,6 @@ class CudaBackend final : public Backend {
     cuda::set_programmatic_launch(!(pdl && pdl[0] == '0'));
     const char* stage = std::getenv("TIERMOE_CUDA_GEMV_STAGE");
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
-    if (const char* e = std::getenv("TIERMOE_CUDA_MERGE_STAGE")) cuda::set_merge_stage(std::atoi(e));
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
@@ -407,8 +406,8 @@ class CudaBackend final : public Backend {
   int32_t *ids_, *pos_, *topk_;
   long long* route_acc_ = nullptr;  // [kGemvMaxT, E] slots: the unscaled router logits (router_in_oproj), 0 between layers
   unsigned* split_counters_;  // attention_decode's, zero between launches
-  // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T = 1 the per-(token, k) kernels,
-  // 2 <= T <= kMoeGroupedMaxT the grouped ones, beyond that the expert GEMMs on the tensor cores
+  // MoE kernels by T (TIERMOE_CUDA_MOE): Grouped (default): T <= kGemvMaxT the per-(token, k) kernels,
+  // then up to kMoeGroupedMaxT the grouped ones, beyond that the expert GEMMs on the tensor cores
   // (moe_prefill.cu); Fused: the per-(token, k) kernels up to T = kGemvMaxT, then the expert
   // GEMMs; Unfused: router GEMV, top-k, sort/pad and the expert GEMMs at every T (the baseline).
   enum class MoeMode { Grouped, Fused, Unfused };
@@ -416,7 +415,11 @@ class CudaBackend final : public Backend {
   static constexpr MoeMode kDefaultMoe = MoeMode::Grouped;
   static constexpr bool kDefaultBatchAttention = true;
   MoeMode moe_mode_ = kDefaultMoe;
-  int grouped_min_t_ = 2;  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels
+  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels. 9: up to kGemvMaxT tokens the
+  // per-(token, k) kernels with the router in the o projection took 10-38% less time per step than
+  // the grouped ones (docs/benchmarks.md, "Fused MoE layer against an unfused one").
+  static constexpr int kGroupedMinT = cuda::kGemvMaxT + 1;
+  int grouped_min_t_ = kGroupedMinT;
   bool route_in_oproj_ = true;  // TIERMOE_CUDA_ROUTE=kernel: false
   static constexpr int kMoeGroupedMaxT = 64;
   float* moe_y_ = nullptr;  // grouped / expert-GEMM down projection, [(t, k) rows, D]
@@ -489,7 +492,7 @@ void CudaBackend::read_switches() {
     else throw InputError(std::string("TIERMOE_CUDA_MOE=") + e + ": expected grouped, fused or unfused");
   }
   const char* min_t = std::getenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T");
-  const int grouped_min_t = min_t ? std::max(1, std::atoi(min_t)) : 2;
+  const int grouped_min_t = min_t ? std::max(1, std::atoi(min_t)) : kGroupedMinT;
   const char* ba = std::getenv("TIERMOE_CUDA_BATCH_ATTN");
   const bool batch_attention = ba ? ba[0] == '1' : kDefaultBatchAttention;
   bool in_oproj = true;

@@ -179,10 +179,10 @@ bool g_gemv_stage = true;  // TIERMOE_CUDA_GEMV_STAGE=0: the fold below (each wa
 // Whether a GEMV-style launch stages x (the same answer for every block of the launch).
 bool stage_fits(int T, int K) { return g_gemv_stage && K % 8 == 0 && T * K <= kStageFloats; }
 
-// All threads of the block: st.x = x (* nw), st.inv[t] = 1 / sqrt(mean(x_t^2) + eps) with NORM.
+// All threads of the block, no barrier: st.x = x (* nw), and with NORM st.red[warp][t] = each warp's
+// share of sum(x_t^2) (stage_x, below, finishes the norm).
 template <int TT, bool NORM>
-__device__ void stage_x(GemvStage& st, const float* __restrict__ x, const float* __restrict__ nw, float eps, int T,
-                        int K) {
+__device__ void stage_x_rows(GemvStage& st, const float* __restrict__ x, const float* __restrict__ nw, int T, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, K4 = K >> 2;
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
@@ -202,6 +202,13 @@ __device__ void stage_x(GemvStage& st, const float* __restrict__ x, const float*
       if (lane == 0) st.red[warp][t] = ss;
     }
   }
+}
+
+// All threads of the block: st.x = x (* nw), st.inv[t] = 1 / sqrt(mean(x_t^2) + eps) with NORM.
+template <int TT, bool NORM>
+__device__ void stage_x(GemvStage& st, const float* __restrict__ x, const float* __restrict__ nw, float eps, int T,
+                        int K) {
+  stage_x_rows<TT, NORM>(st, x, nw, T, K);
   __syncthreads();
   if (NORM && threadIdx.x < T) {
     float ss = 0.f;
@@ -475,6 +482,18 @@ __global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restric
   for (int t = 0; t < T; ++t) route_token(ids + t * K, weights + t * K, lg + t * E, E, K, renormalize);
 }
 
+// One warp's gate and up sums for output row f: rows wg and wu of D = 8 * D8 BF16 weights against
+// x[D] (global memory or a shared stage), 16-byte weight loads.
+__device__ __forceinline__ void gate_up_dots(const bf16* __restrict__ wg, const bf16* __restrict__ wu, const float* x,
+                                             int D8, int lane, float& g, float& u) {
+#pragma unroll 8
+  for (int i = lane; i < D8; i += 32) {
+    const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
+    g += dot8(a, x + 8 * i);
+    u += dot8(b, x + 8 * i);
+  }
+}
+
 // The router's last step and moe_gate_up in one launch (RouterLogits, kernels.h). grid (ceil(F / kWarps)
 // + 1, T*K): every block selects its token's experts itself from the logits acc[t] (select_topk),
 // with h_t * nw staged in shared memory; then one warp per (t, k, f) as moe_gate_up, scaled by inv =
@@ -488,26 +507,19 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* 
                                                                          const long long* acc,
                                                                          const bf16* __restrict__ Wgu, int E, int K,
                                                                          int F, int D, bool renormalize) {
-  __shared__ __align__(16) float xs[kStageFloats];  // h_t * nw
-  __shared__ float lg[kRouteMaxE], red[kWarps], sw[kRouteMaxK];
+  __shared__ GemvStage st;  // h_t * nw, and the warps' shares of sum(h_t^2)
+  __shared__ float lg[kRouteMaxE], sw[kRouteMaxK];
   __shared__ int32_t sid[kRouteMaxK];
   pdl_wait();
   pdl_launch_dependents();
   const int tk = blockIdx.y, t = tk / K, k = tk % K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < D >> 2; i += blockDim.x) {
-    const float4 v = reinterpret_cast<const float4*>(h + size_t(t) * D)[i], c = reinterpret_cast<const float4*>(nw)[i];
-    ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
-    reinterpret_cast<float4*>(xs)[i] = make_float4(v.x * c.x, v.y * c.y, v.z * c.z, v.w * c.w);
-  }
-  ss = warp_sum(ss);
-  if (lane == 0) red[warp] = ss;
+  stage_x_rows<1, true>(st, h + size_t(t) * D, nw, 1, D);
   __syncthreads();
   select_topk(sid, lg, E, K);
   __syncthreads();
-  ss = 0.f;
-  for (int w = 0; w < kWarps; ++w) ss += red[w];
+  float ss = 0.f;
+  for (int w = 0; w < kWarps; ++w) ss += st.red[w][0];
   const float inv = 1.0f / sqrtf(ss / float(D) + eps);  // as rmsnorm() computes it
   if (blockIdx.x == gridDim.x - 1) {  // the router column
     if (k != 0) return;
@@ -523,12 +535,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* 
     const bf16* wg = Wgu + (size_t(sid[k]) * 2 * F + f) * D;
     const bf16* wu = wg + size_t(F) * D;
     float g = 0.f, u = 0.f;
-#pragma unroll 8
-    for (int i = lane; i < D >> 3; i += 32) {
-      const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
-      g += dot8(a, xs + 8 * i);
-      u += dot8(b, xs + 8 * i);
-    }
+    gate_up_dots(wg, wu, st.x, D >> 3, lane, g, u);
     g = warp_sum(g) * inv;
     u = warp_sum(u) * inv;
     if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
@@ -550,13 +557,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restr
   const float* x = h + size_t(t) * D;
   float g = 0.f, u = 0.f;
   if ((D & 7) == 0) {
-    const int D8 = D >> 3;
-#pragma unroll 8
-    for (int i = lane; i < D8; i += 32) {
-      const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
-      g += dot8(a, x + 8 * i);
-      u += dot8(b, x + 8 * i);
-    }
+    gate_up_dots(wg, wu, x, D >> 3, lane, g, u);
   } else {
     for (int i = lane; i < D; i += 32) {
       g = fmaf(bf(wg[i]), x[i], g);
@@ -735,50 +736,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   }
 }
 
-// attention_combine_kernel's weights in shared memory: n_splits rounded up to 8 (zeros past it), as
-// nvcc reads them 16 bytes at a time even at the end of the array (memcheck: out of bounds at 2 splits).
-__host__ __device__ constexpr int combine_padded(int n_splits) { return (n_splits + 7) & ~7; }
-
-// grid T*H: merges the splits of one (t, h). Staged (where the rows fit in 48 KB: up to 94 splits
-// at Dh 128): merge_staged(), one L2 round trip (ncu, H200, 40 splits: 9.8 us unstaged). Else the
-// block weighs each split once (w[s] = e^(m_s - M) in shared memory), then every thread sums its
-// output elements over the splits, loads unrolled: a serial loop with an exp per (split, element)
-// took 16 us for 40 splits.
-__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh, bool staged) {
-  extern __shared__ __align__(16) float w[];  // staged: merge_stage_floats(1, n_splits, Dh); else combine_padded(n_splits)
-  __shared__ float red[32];
+// grid T*H: merges the splits of one (t, h) (merge_splits: one L2 round trip where the rows fit in
+// buf_floats of shared memory -- up to 94 splits at Dh 128 in 48 KB --, else in chunks of splits;
+// ncu, H200, 40 splits: 9.8 us when it read them in place).
+__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh, int buf_floats) {
+  extern __shared__ __align__(16) float buf[];
+  __shared__ float Mh[1], scale[1];
   pdl_wait();
   pdl_launch_dependents();
-  const size_t th = blockIdx.x, row = size_t(Dh) + 2;
-  const float* p = partial + th * n_splits * row;
-  if (staged) return merge_staged(out + th * Dh, p, 1, n_splits, Dh, w, red);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = int(blockDim.x >> 5);
-  float m = -INFINITY;
-  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) m = fmaxf(m, p[s * row]);
-  m = warp_max(m);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  float M = red[0];
-  for (int i = 1; i < warps; ++i) M = fmaxf(M, red[i]);
-  __syncthreads();
-  float l = 0.f;
-  for (int s = threadIdx.x; s < combine_padded(n_splits); s += blockDim.x) {
-    const float ms = s < n_splits ? p[s * row] : -INFINITY;
-    const float ws = ms == -INFINITY ? 0.f : expf(ms - M);  // -inf: a split with no visible key (or padding)
-    w[s] = ws;
-    if (s < n_splits) l += p[s * row + 1] * ws;
-  }
-  l = warp_sum(l);
-  if (lane == 0) red[warp] = l;
-  __syncthreads();
-  float L = 0.f;
-  for (int i = 0; i < warps; ++i) L += red[i];
-  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-    float a = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < n_splits; ++s) a = fmaf(p[s * row + 2 + d], w[s], a);
-    out[th * Dh + d] = a / L;
-  }
+  const size_t th = blockIdx.x;
+  merge_splits<4>(out + th * Dh, partial + th * n_splits * (Dh + 2), 1, n_splits, Dh, buf, buf_floats, Mh, scale);
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -807,13 +774,8 @@ unsigned grid_for(size_t n, int threads = 256) {
 
 bool g_programmatic_launch = false;
 int g_gemv3_rows = 0;  // gemv3's rows per warp: 0 chosen per launch, else forced
-
-int g_merge_stage = 3;  // set_merge_stage()
-
 }  // namespace
 
-void set_merge_stage(int bits) { g_merge_stage = bits & 3; }
-int merge_stage() { return g_merge_stage; }
 bool programmatic_launch() { return g_programmatic_launch; }
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
@@ -1032,12 +994,11 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  const size_t smem = size_t(combine_padded(n_splits)) * sizeof(float);
-  const size_t staged = size_t(merge_stage_floats(1, n_splits, Dh)) * sizeof(float);
-  if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  const bool stage = (g_merge_stage & 2) && staged <= 48 * 1024 && Dh % 2 == 0;  // merge_staged's rows: even lengths
-  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, stage ? staged : smem, s, out, partial, n_splits,
-                Dh, stage);
+  if (n_splits < 1 || Dh < 1 || Dh > kAttnMaxDh) return cudaErrorInvalidValue;
+  // 48 KB in all without an opt-in: the kernel's static Mh and scale take their share.
+  const int buf_floats = std::min(merge_stage_floats(1, n_splits, Dh), (48 * 1024 - 64) / int(sizeof(float)));
+  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, size_t(buf_floats) * sizeof(float), s, out,
+                partial, n_splits, Dh, buf_floats);
 }
 
 cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s) {

@@ -210,10 +210,6 @@ cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int3
 // out[T, H, Dh] from the splits' (max, sum, unnormalized output) in partial[T, H, n_splits, Dh + 2]
 // (the max in natural-log units; -inf: a split with no visible key).  twin: the online softmax's merge
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s);
-// Which split merges stage their rows in shared memory (attention_merge.cuh), for A/B timing: bit 0
-// attention_decode's last block, bit 1 the combine launch; default 3 (TIERMOE_CUDA_MERGE_STAGE).
-void set_merge_stage(int bits);
-int merge_stage();
 
 // Decode attention in one launch (attention_decode.cu), for T <= kGemvMaxT new tokens of one
 // sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]
