@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|batch]   (quick: no large published
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|batch|moe|ab|sanitize]   (quick: no large published
 #   configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
 #   initcheck; profile: per-kernel times of one decode step under ncu; batch: the kernel table,
 #   then B = 1, 8, 32, 64 under the A/B variants in one process per config (batchtable), then the
 #   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
 #   build (defaults, PDL off, BF16 prompt activations; new-nostage: no GEMV stage), interleaved in
-#   one run, then the kernel table)
+#   one run, then the kernel table; sanitize: compute-sanitizer on case ranges of the longest
+#   groups as parallel processes, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
+#   "Numerics, as measured" reports)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
 # carried, when the machine lacks the tokenizer's libraries), else built here with CMake.
 # $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere (small enough to carry to a
@@ -33,6 +35,21 @@ if [ ! -x $C ]; then
   log build
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+if [ "$MODE" = sanitize ]; then  # no check first: each SAN_JOBS entry "tool group N:M" is one process
+  # (TIERMOE_CHECK_SKIP=N:M: the group's cases N .. M-1), all in parallel, each cut off at SAN_S seconds;
+  # one summary line per job in $OUT/summary.txt, the logs in $OUT/sanitize_logs.tar.xz (8 files come back).
+  IFS=';' read -ra san_jobs <<< "${SAN_JOBS:-racecheck attention_prefill 0:8;racecheck attention_prefill 8:16;racecheck moe_prefill 0:12;memcheck sample_tokens 0:88}"
+  L=$(mktemp -d)
+  san_one() {
+    local f=$L/$1_$2_${3/:/-}.txt t0=$(date +%s)
+    TIERMOE_CHECK_SKIP=$3 timeout ${SAN_S:-440} compute-sanitizer --tool $1 $C --kernels-only $2 > $f 2>&1; local rc=$?
+    echo "$1 $2 $3 rc=$rc $(( $(date +%s) - t0 ))s ok=$(grep -c '^ok' $f) fail=$(grep -c '^FAIL' $f) | $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1)" >> "$OUT/summary.txt"
+  }
+  for job in "${san_jobs[@]}"; do san_one $job & done
+  wait
+  tar cf - -C $L . | xz -9 > "$OUT/sanitize_logs.tar.xz"
+  sort "$OUT/summary.txt"; exit 0
 fi
 if [ "$MODE" = batch ]; then  # kernels first, the table, the models last (the longest part)
   log kernels; timeout 60 $C --kernels-only 2>&1 | tee "$OUT/check.txt"

@@ -8,7 +8,7 @@
 // Prints one line per case and a summary; exit status 1 when any case fails.
 // Usage: tiermoe_cuda_check [--kernels-only [NAME] | --models-only]   (NAME: only the kernel checks
 //   whose name contains it, e.g. attention_prefill, and no timing; `timing`: the timing alone;
-//   TIERMOE_CHECK_SKIP=N skips the first N cases of the longest groups, below)
+//   TIERMOE_CHECK_SKIP=N[:M] runs only cases N .. M-1 of the longest groups, below)
 //        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R] [--batch B]
 //   the same measurement and JSON as `tiermoe bench --backend cuda [--load-format dummy]`, for
 //   machines without the CLI's tokenizer libraries.
@@ -20,6 +20,7 @@
 //   `ncu --profile-from-start off` (the per-kernel time breakdown of a step).
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -60,17 +61,21 @@ std::mt19937 rng(20261129);
     }                                                                                             \
   } while (0)
 
-// TIERMOE_CHECK_SKIP=N: the first N cases of each group that counts them -- prompt attention
-// (per shape), sampling (per logits kind, V, B) and the prompt-chunk expert GEMMs (per shape), the
-// longest under racecheck -- are skipped, so that a sanitizer run cut off by its time limit can go
-// on where it stopped. The summary line says how many were skipped.
+// TIERMOE_CHECK_SKIP=N or N:M: in each group that counts its cases -- prompt attention (per
+// shape), sampling (per logits kind, V, B) and the prompt-chunk expert GEMMs (per shape), the
+// longest under racecheck -- only cases N .. M-1 run, so that sanitizer runs cut off by their time
+// limit can go on where they stopped, or share a group between processes. The summary line says
+// how many were skipped.
 int g_skipped = 0;
 bool skip_case(int& index) {
-  static const int skip = [] {
+  static const std::pair<int, int> range = [] {
     const char* e = std::getenv("TIERMOE_CHECK_SKIP");
-    return e ? std::max(0, std::atoi(e)) : 0;
+    if (!e) return std::pair{0, INT_MAX};
+    const char* colon = std::strchr(e, ':');
+    return std::pair{std::max(0, std::atoi(e)), colon ? std::atoi(colon + 1) : INT_MAX};
   }();
-  if (index++ >= skip) return false;
+  const int i = index++;
+  if (i >= range.first && i < range.second) return false;
   ++g_skipped;
   return true;
 }
@@ -1470,14 +1475,14 @@ int batchtable_main(int argc, char** argv) {
     first[i] = int32_t(std::max_element(logits.begin(), logits.begin() + V) - logits.begin());
   }
   struct Variant { const char *name, *moe, *min_t, *batch_attn; };
+  // before: per-(token, k) MoE kernels to T = 8, expert GEMMs beyond, attention per sequence;
+  // grouped_from_2: the grouped MoE kernels from T = 2 (the default until 6d1688f); default: from T = 9.
   const Variant variants[] = {{"before", "fused", "2", "0"},
-                              {"grouped", "grouped", "2", "0"},
-                              {"grouped+batch_attn", "grouped", "2", "1"},
-                              {"grouped_t1", "grouped", "1", "1"}};
+                              {"grouped_from_2", "grouped", "2", "1"},
+                              {"default", "grouped", "9", "1"}};
   for (int B : batches) {
     std::vector<int32_t> tokens_first_variant;
     for (const Variant& v : variants) {
-      if (std::strcmp(v.name, "grouped_t1") == 0 && B != 1) continue;  // differs from grouped at T = 1 only
       if (!only.empty() && only != v.name) continue;
       setenv("TIERMOE_CUDA_MOE", v.moe, 1);
       setenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T", v.min_t, 1);
