@@ -1,0 +1,145 @@
+// The GEMV kernels declared in kernels.h: gemv (one projection, optionally normed and
+// accumulating, optionally summing the router's logits) and gemv3 (three projections of one input).
+#include "cuda/gemv.cuh"
+
+namespace tiermoe::cuda {
+namespace {
+
+constexpr int kGemvBlockRows = kWarps * kGemvRows;
+
+// With rl.acc: thread e < rl.E then adds its expert's share of the unscaled router logits over the
+// block's rows of y, rl.Wr[e, rows] . (y[t, rows] * rl.norm_w[rows]), into rl.acc[t, e] (y = h, the
+// residual stream after this projection; its weights are loaded before the wait).
+template <int TT, bool NORM>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
+                                                           const bf16* __restrict__ W, int T, int N, int K,
+                                                           bool accumulate, const float* __restrict__ nw, float eps,
+                                                           bool staged, RouterLogits rl) {
+  __shared__ GemvStage st;
+  const int d0 = blockIdx.x * kGemvBlockRows, n0 = d0 + (threadIdx.x >> 5) * kGemvRows, e = threadIdx.x;
+  const bool routes = rl.acc && e < rl.E;
+  float wr[kGemvBlockRows];
+#pragma unroll
+  for (int r = 0; r < kGemvBlockRows; ++r)
+    wr[r] = routes && d0 + r < N ? bf(rl.Wr[size_t(e) * N + d0 + r]) * rl.norm_w[d0 + r] : 0.f;
+  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
+  if (!rl.acc) return;
+  __syncthreads();  // the block's rows of y are written
+  if (!routes) return;
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t >= T) break;
+    float p = 0.f;
+#pragma unroll
+    for (int r = 0; r < kGemvBlockRows; ++r)
+      if (d0 + r < N) p = fmaf(wr[r], y[size_t(t) * N + d0 + r], p);
+    add_logit(rl.acc + (size_t(t) * rl.E + e) * kRouterLogitStride, p);
+  }
+}
+
+// Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
+struct GemvSegs {
+  float* y[3];
+  const bf16* W[3];
+  int N[3];
+  int end_block[3];
+  long long* zero;  // zero_n slots of the router's accumulator (RouterLogits) <- 0 by block 0 after the wait
+  int zero_n;
+};
+
+// NR rows per warp: 2 for one token (half the blocks of NR = 1: one wave at the OLMoE / Qwen3
+// shapes instead of about 1.5; 3-5% faster per token, docs/benchmarks.md), else 1 (T > 1 was not
+// timed). TIERMOE_CUDA_GEMV3_ROWS=1|2 forces either (A/B timing).
+template <int TT, bool NORM, int NR>
+__global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
+                                                            int K, const float* __restrict__ nw, float eps,
+                                                            bool staged) {
+  __shared__ GemvStage st;
+  const int b = blockIdx.x;
+  const int s = b < segs.end_block[0] ? 0 : (b < segs.end_block[1] ? 1 : 2);
+  const int first = s == 0 ? 0 : (s == 1 ? segs.end_block[0] : segs.end_block[1]);
+  // Selected with constant indices: a run-time index into the parameter arrays would put them in local memory.
+  float* y = s == 0 ? segs.y[0] : (s == 1 ? segs.y[1] : segs.y[2]);
+  const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
+  const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
+  const int n0 = ((b - first) * kWarps + (threadIdx.x >> 5)) * NR;
+  gemv_rows<TT, NORM, NR>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
+  if (b == 0)
+    for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
+}
+
+bool g_gemv_stage = true;  // TIERMOE_CUDA_GEMV_STAGE=0: the fold (each warp reads x itself)
+int g_gemv3_rows = 0;      // gemv3's rows per warp: 0 chosen per launch, else forced
+}  // namespace
+
+bool stage_fits(int T, int K) { return g_gemv_stage && K % 8 == 0 && T * K <= kStageFloats; }
+void set_gemv_stage(bool on) { g_gemv_stage = on; }
+void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 1 || rows == 2 ? rows : 0; }
+
+namespace {
+template <int TT>
+cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
+                        float eps, RouterLogits rl, cudaStream_t s) {
+  const unsigned grid = unsigned((N + kGemvBlockRows - 1) / kGemvBlockRows);
+  const bool staged = stage_fits(T, K);
+  if (!nw)
+    return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl);
+  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl);
+}
+
+cudaError_t gemv_any(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* norm_w,
+                     float eps, RouterLogits rl, cudaStream_t s) {
+  if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  cudaError_t e;
+  if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  else if (T <= 4) e = launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  else e = launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
+                 const float* norm_w, float eps) {
+  return gemv_any(y, x, W, T, N, K, accumulate, norm_w, eps, RouterLogits{}, s);
+}
+
+bool router_in_oproj_fits(int D, int E, int K) {
+  return D % 8 == 0 && D <= kStageFloats && E >= 1 && E <= kRouteMaxE && K >= 1 && K <= kRouteMaxK && K <= E;
+}
+
+cudaError_t gemv_router_logits(float* y, const float* x, const bf16* W, int T, int N, int K, RouterLogits rl,
+                               cudaStream_t s) {
+  if (!rl.acc || !router_in_oproj_fits(N, rl.E, 1)) return cudaErrorInvalidValue;
+  return gemv_any(y, x, W, T, N, K, true, nullptr, 0.f, rl, s);
+}
+
+template <int TT>
+cudaError_t launch_gemv3(GemvSegs g, const float* x, int T, int K, const float* nw, float eps, cudaStream_t s) {
+  const bool staged = stage_fits(T, K);
+  const int rows = g_gemv3_rows ? g_gemv3_rows : (T == 1 ? 2 : 1), block_rows = kWarps * rows;
+  int end = 0;
+  for (int i = 0; i < 3; ++i) {
+    end += (g.N[i] + block_rows - 1) / block_rows;
+    g.end_block[i] = end;
+  }
+  if (rows == 2)
+    return nw ? launch(gemv3_kernel<TT, true, 2>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged)
+              : launch(gemv3_kernel<TT, false, 2>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged);
+  return nw ? launch(gemv3_kernel<TT, true, 1>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged)
+            : launch(gemv3_kernel<TT, false, 1>, end, kWarps * 32, 0, s, g, x, T, K, nw, eps, staged);
+}
+
+cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, int N1, float* y2, const bf16* W2,
+                  int N2, const float* x, int T, int K, cudaStream_t s, const float* norm_w, float eps,
+                  long long* zero, int zero_n) {
+  if (T <= 0 || T > kGemvMaxT || zero_n < 0 || (zero_n > 0 && !zero)) return cudaErrorInvalidValue;
+  const GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}, zero, zero_n};
+  cudaError_t e;
+  if (T == 1) e = launch_gemv3<1>(g, x, T, K, norm_w, eps, s);
+  else if (T == 2) e = launch_gemv3<2>(g, x, T, K, norm_w, eps, s);
+  else if (T <= 4) e = launch_gemv3<4>(g, x, T, K, norm_w, eps, s);
+  else e = launch_gemv3<8>(g, x, T, K, norm_w, eps, s);
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+}  // namespace tiermoe::cuda

@@ -1,0 +1,360 @@
+// The batch-1 / small-batch MoE kernels declared in kernels.h: the router (route_topk, moe_route, or
+// the selection inside moe_gate_up_routed from the o projection's logit sums), the selected
+// experts' gate/up projections and their down projection with the weighted sum and residual add.
+#include "cuda/gemv.cuh"
+
+#include <algorithm>
+#include <cmath>
+
+#include <cooperative_groups.h>
+
+namespace tiermoe::cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kMaxDownRows = 4;  // moe_down's rows per warp at most (its variants below)
+static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
+constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
+
+// Router logits as NaN-proof values: NaN ranks last, so every rank gets exactly one expert.
+__device__ __forceinline__ float rank_value(float v) { return v != v ? -INFINITY : v; }
+
+// All threads of the block: ids[rank] = e for the K experts whose logits l[e] rank first, a rank
+// being the count of logits that beat e's (ties to the lower index, as route_softmax_topk). P
+// consecutive threads count for one expert, each a P-th of the comparisons (P: a power of two up
+// to 32 with P * E <= blockDim.x), summed by shuffles. No barrier: the caller's publishes ids[].
+__device__ void select_topk(int32_t* ids, const float* l, int E, int K) {
+  int P = 1;
+  while (P < 32 && 2 * P * E <= int(blockDim.x)) P *= 2;
+  const int e = threadIdx.x / P, part = threadIdx.x % P;
+  int rank = 0;
+  if (e < E) {
+    const float v = rank_value(l[e]);
+    for (int j = part; j < E; j += P) {
+      const float lj = rank_value(l[j]);
+      rank += lj > v || (lj == v && j < e);
+    }
+  }
+  for (int o = 1; o < P; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+  if (e < E && part == 0 && rank < K) ids[rank] = e;
+}
+
+// One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]: top-k of l
+// (select_topk), softmax over all E of scale * l (scale > 0 keeps the ranking; 1 leaves l's bits as
+// they are), weights summed in k order when renormalized.
+__device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize,
+                            float scale = 1.f) {
+  __shared__ float red[kWarps], prob[kRouteMaxE];
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  const float v = e < E ? scale * rank_value(l[e]) : -INFINITY;
+  float m = warp_max(v);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  const float p = e < E ? expf(v - m) : 0.f;
+  if (e < E) prob[e] = p;
+  float den = warp_sum(p);
+  if (lane == 0) red[warp] = den;
+  select_topk(ids, l, E, K);
+  __syncthreads();
+  den = 0.f;
+  for (int w = 0; w < kWarps; ++w) den += red[w];
+  if (e < K) {
+    float sum = 0.f;
+    for (int k = 0; k < K; ++k) sum += prob[ids[k]] / den;
+    const float pe = prob[ids[e]] / den;
+    weights[e] = renormalize ? pe / sum : pe;
+  }
+  __syncthreads();  // red[] and prob[] are reused by the next call
+}
+
+__global__ void __launch_bounds__(kWarps * 32) route_topk_kernel(int32_t* ids, float* weights, const float* logits,
+                                                                 int E, int K, bool renormalize) {
+  const size_t t = blockIdx.x;
+  route_token(ids + t * K, weights + t * K, logits + t * E, E, K, renormalize);
+}
+
+// One cluster of C = gridDim.x blocks (C <= kRouteMaxCluster): warp w of block b computes the logits
+// of experts b * kWarps + w + i * C * kWarps straight into the first block's shared memory
+// (distributed shared memory: no global round trip, no fence, no counter); every thread writes part
+// of h = rmsnorm(x) * nw; after the cluster barrier the first block routes each token (route_token).
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) moe_route_kernel(float* __restrict__ h, int32_t* ids, float* weights,
+                                                                const float* __restrict__ x,
+                                                                const float* __restrict__ nw, float eps,
+                                                                const bf16* __restrict__ Wr, int T, int E, int K,
+                                                                int D, bool renormalize, bool staged) {
+  __shared__ float lg[TT * kRouteMaxE];  // the first block's: logits [T, E]
+  __shared__ float inv_s[TT];
+  cg::cluster_group cluster = cg::this_cluster();
+  float* lead = cluster.map_shared_rank(lg, 0);
+  // Every block of the cluster must have started before any writes another's shared memory (under
+  // programmatic launch this barrier passes while the previous kernel still runs).
+  cluster.sync();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, stride = int(gridDim.x) * kWarps;
+  __shared__ GemvStage st;
+  float inv[TT];
+  for (int n0 = blockIdx.x * kWarps + warp, first = n0; n0 < E || n0 == first; n0 += stride)  // every warp once at least
+    gemv_rows<TT, true>(lead, x, nw, eps, Wr, T, E, D, false, n0, lane, inv, staged ? &st : nullptr, n0 == first);
+  if (threadIdx.x == 0)  // warp 0 has a row (C <= ceil(E / kWarps)): inv[] is set
+#pragma unroll
+    for (int t = 0; t < TT; ++t)
+      if (t < T) inv_s[t] = inv[t];
+  __syncthreads();
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(T) * D; i += size_t(gridDim.x) * blockDim.x)
+    h[i] = x[i] * inv_s[i / D] * nw[i % D];
+  cluster.sync();  // the logits are in the first block's shared memory
+  if (cluster.block_rank() != 0) return;
+  for (int t = 0; t < T; ++t) route_token(ids + t * K, weights + t * K, lg + t * E, E, K, renormalize);
+}
+
+// One warp's gate and up sums for output row f: rows wg and wu of D = 8 * D8 BF16 weights against
+// x[D] (global memory or a shared stage), 16-byte weight loads.
+__device__ __forceinline__ void gate_up_dots(const bf16* __restrict__ wg, const bf16* __restrict__ wu, const float* x,
+                                             int D8, int lane, float& g, float& u) {
+#pragma unroll 8
+  for (int i = lane; i < D8; i += 32) {
+    const uint4 a = ldg16(wg + 8 * i), b = ldg16(wu + 8 * i);
+    g += dot8(a, x + 8 * i);
+    u += dot8(b, x + 8 * i);
+  }
+}
+
+// The router's last step and moe_gate_up in one launch (RouterLogits, kernels.h). grid (ceil(F / kWarps)
+// + 1, T*K): every block selects its token's experts itself from the logits acc[t] (select_topk),
+// with h_t * nw staged in shared memory; then one warp per (t, k, f) as moe_gate_up, scaled by inv =
+// 1 / rms(h_t) at the end. Only the selection stands between the wait and the weight loads (the sum
+// of squares is gathered with the stage and summed after). The last column's blocks have no rows:
+// for k = 0 it computes the token's softmax weights (inv * acc) and writes them with the ids,
+// beside the others' loads instead of after a block's rows.
+__global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* __restrict__ act, int32_t* ids,
+                                                                         float* weights, const float* __restrict__ h,
+                                                                         const float* __restrict__ nw, float eps,
+                                                                         const long long* acc,
+                                                                         const bf16* __restrict__ Wgu, int E, int K,
+                                                                         int F, int D, bool renormalize) {
+  __shared__ GemvStage st;  // h_t * nw, and the warps' shares of sum(h_t^2)
+  __shared__ float lg[kRouteMaxE], sw[kRouteMaxK];
+  __shared__ int32_t sid[kRouteMaxK];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int tk = blockIdx.y, t = tk / K, k = tk % K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
+  stage_x_rows<1, true>(st, h + size_t(t) * D, nw, 1, D);
+  __syncthreads();
+  select_topk(sid, lg, E, K);
+  __syncthreads();
+  float ss = 0.f;
+  for (int w = 0; w < kWarps; ++w) ss += st.red[w][0];
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);  // as rmsnorm() computes it
+  if (blockIdx.x == gridDim.x - 1) {  // the router column
+    if (k != 0) return;
+    route_token(sid, sw, lg, E, K, renormalize, inv);
+    if (threadIdx.x < K) {
+      ids[t * K + threadIdx.x] = sid[threadIdx.x];
+      weights[t * K + threadIdx.x] = sw[threadIdx.x];
+    }
+    return;
+  }
+  const int f = blockIdx.x * kWarps + warp;
+  if (f < F) {
+    const bf16* wg = Wgu + (size_t(sid[k]) * 2 * F + f) * D;
+    const bf16* wu = wg + size_t(F) * D;
+    float g = 0.f, u = 0.f;
+    gate_up_dots(wg, wu, st.x, D >> 3, lane, g, u);
+    g = warp_sum(g) * inv;
+    u = warp_sum(u) * inv;
+    if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
+  }
+}
+
+// grid (ceil(F / kWarps), T*K): one warp per (t, k, f).
+__global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restrict__ act, const float* __restrict__ h,
+                                                                  const bf16* __restrict__ Wgu,
+                                                                  const int32_t* __restrict__ ids, int K, int F, int D) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int f = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int tk = blockIdx.y, t = tk / K;
+  if (f >= F) return;
+  const bf16* wg = Wgu + (size_t(ids[tk]) * 2 * F + f) * D;
+  const bf16* wu = wg + size_t(F) * D;
+  const float* x = h + size_t(t) * D;
+  float g = 0.f, u = 0.f;
+  if ((D & 7) == 0) {
+    gate_up_dots(wg, wu, x, D >> 3, lane, g, u);
+  } else {
+    for (int i = lane; i < D; i += 32) {
+      g = fmaf(bf(wg[i]), x[i], g);
+      u = fmaf(bf(wu[i]), x[i], u);
+    }
+  }
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
+}
+
+// grid (ceil(D / R), T), R = NR * max(1, kWarps / K) output rows per block. The block's jobs
+// (job j: expert k = j % K, rows d0 + NR * (j / K) + 0 .. NR - 1) go to its warps round-robin; a
+// warp streams its job's NR rows together (NR * CH loads per lane in flight), so a block keeps
+// enough loads in flight even at small K and no warp waits on another expert. The block then
+// sums each row's K partials in k order (deterministic), weighted, into x (the residual add).
+// MINB: blocks per SM the register budget must allow.
+template <int NR, int CH, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __restrict__ x,
+                                                                  const float* __restrict__ act,
+                                                                  const bf16* __restrict__ Wd,
+                                                                  const int32_t* __restrict__ ids,
+                                                                  const float* __restrict__ weights, int K, int D,
+                                                                  int F, int R, const long long* acc, int E) {
+  __shared__ float part[kMaxDownRows * kRouteMaxK];  // [R, K], R * K <= NR * max(kWarps, K)
+  const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R, jobs = K * (R / NR);
+  // The first round of the warp's first job is loaded BEFORE pdl_wait(): ids come from moe_route,
+  // the kernel before the previous one, which had finished before moe_gate_up (whose blocks all
+  // passed their pdl_wait() before this grid could start) went on; weights no kernel writes.
+  // With acc (the router folded into the o projection, two kernels back) the block selects the
+  // token's experts from the logits itself, as moe_gate_up_routed did: the same ranking of the same bits.
+  __shared__ float lg[kRouteMaxE];
+  __shared__ int32_t sid[kRouteMaxK];
+  if (acc) {
+    if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
+    __syncthreads();
+    select_topk(sid, lg, E, K);
+    __syncthreads();
+  }
+  auto job_rows = [&](int j) {
+    const int e = acc ? sid[j % K] : ids[t * K + j % K];
+    return Wd + (size_t(e) * D + d0 + NR * (j / K)) * F;
+  };
+  uint4 wv[NR][CH];
+  const int j0 = threadIdx.x >> 5;
+  if ((F & 7) == 0 && j0 < jobs) load_row_chunks(wv, job_rows(j0), F, max(0, min(NR, D - (d0 + NR * (j0 / K)))), lane, F >> 3);
+  // The routing weights (moe_route's) and the residual (written by the o projection, before
+  // moe_route started) are final too: loaded now, they are off the end of the critical path.
+  // With acc the weights come from moe_gate_up_routed, the kernel before: read after the wait.
+  __shared__ float wk[kRouteMaxK];
+  if (!acc && threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
+  const int r = threadIdx.x;
+  const float x_old = r < R && d0 + r < D ? x[size_t(t) * D + d0 + r] : 0.f;
+  pdl_wait();
+  pdl_launch_dependents();
+  if (acc && threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
+  for (int j = j0; j < jobs; j += kWarps) {
+    const int k = j % K, r0 = NR * (j / K), nr = max(0, min(NR, D - (d0 + r0)));
+    const bf16* w = job_rows(j);
+    const float* a = act + (size_t(t) * K + k) * F;
+    float s[NR] = {};
+    if ((F & 7) == 0) {
+      const int F8 = F >> 3;
+      for (int base = lane; base < F8; base += 32 * CH) {
+        if (j != j0 || base != lane) load_row_chunks(wv, w, F, nr, base, F8);
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+          if (base + 32 * c >= F8) break;
+          const float* ac = a + 8 * (base + 32 * c);
+          const float4 lo = *reinterpret_cast<const float4*>(ac), hi = *reinterpret_cast<const float4*>(ac + 4);
+#pragma unroll
+          for (int r = 0; r < NR; ++r)
+            if (r < nr) s[r] += dot8(wv[r][c], lo, hi);
+        }
+      }
+    } else {
+      for (int i = lane; i < F; i += 32)
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+          if (r < nr) s[r] = fmaf(bf(w[size_t(r) * F + i]), a[i], s[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float v = warp_sum(s[r]);
+      if (lane == 0) part[(r0 + r) * K + k] = v;
+    }
+  }
+  __syncthreads();
+  if (r < R && d0 + r < D) {
+    float total = 0.f;
+    for (int k = 0; k < K; ++k) total = fmaf(wk[k], part[r * K + k], total);
+    x[size_t(t) * D + d0 + r] = x_old + total;
+  }
+}
+
+}  // namespace
+
+cudaError_t route_topk(int32_t* ids, float* weights, const float* logits, int T, int E, int K, bool renormalize,
+                       cudaStream_t s) {
+  if (E > kRouteMaxE || K > kRouteMaxK || K > E) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  route_topk_kernel<<<T, kWarps * 32, 0, s>>>(ids, weights, logits, E, K, renormalize);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_route(float* h, int32_t* ids, float* weights, const float* x, const float* norm_w, float eps,
+                      const bf16* Wr, int T, int E, int K, int D, bool renormalize, cudaStream_t s) {
+  if (E > kRouteMaxE || K > kRouteMaxK || K > E || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  const unsigned cluster = unsigned(std::min((E + kWarps - 1) / kWarps, kRouteMaxCluster));
+  cudaError_t e;
+#define TIERMOE_MOE_ROUTE(TT)                                                                                         \
+  {                                                                                                                   \
+    static const cudaError_t allowed =                                                                                \
+        cudaFuncSetAttribute(moe_route_kernel<TT>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);        \
+    e = allowed != cudaSuccess ? allowed                                                                              \
+                               : launch_clusters(cluster, moe_route_kernel<TT>, cluster, kWarps * 32, 0, s, h, \
+                                                 ids, weights, x, norm_w, eps, Wr, T, E, K, D, renormalize, \
+                                                 stage_fits(T, D));          \
+  }
+  if (T == 1) TIERMOE_MOE_ROUTE(1)
+  else if (T == 2) TIERMOE_MOE_ROUTE(2)
+  else if (T <= 4) TIERMOE_MOE_ROUTE(4)
+  else TIERMOE_MOE_ROUTE(8)
+#undef TIERMOE_MOE_ROUTE
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int F, int D,
+                        cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  return launch(moe_gate_up_kernel, dim3((F + kWarps - 1) / kWarps, T * K), kWarps * 32, 0, s, act, h, Wgu, ids, K, F, D);
+}
+
+cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const float* h, const float* norm_w, float eps,
+                               const long long* acc, const bf16* Wgu, int T, int E, int K, int F, int D,
+                               bool renormalize, cudaStream_t s) {
+  if (!router_in_oproj_fits(D, E, K) || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  return launch(moe_gate_up_routed_kernel, dim3((F + kWarps - 1) / kWarps + 1, T * K), kWarps * 32, 0, s, act, ids,
+                weights, h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
+}
+
+namespace {
+// moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per
+// SM. The launch takes the one whose grid is the largest that fits one wave (4 blocks per SM),
+// else the smallest: measured end to end on the H200 (docs/benchmarks.md), the grid that fills one
+// wave won both ways -- NR 2 (512 blocks) at Mixtral's D = 4096, K = 2 (7.99 against 8.09 ms per
+// token), NR 4 (512 blocks) at OLMoE's / Qwen3-30B-A3B's D = 2048, K = 8 by 2-3%.
+// TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4 (A/B; set_moe_down_variant).
+using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int,
+                           const long long*, int);
+constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4>, kDown4 = moe_down_kernel<4, 2, 4>;
+int g_moe_down_variant = 0;
+}  // namespace
+
+int moe_down_variants() { return 3; }
+void set_moe_down_variant(int v) { g_moe_down_variant = v >= 0 && v < moe_down_variants() ? v : 0; }
+
+cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
+                     int K, int D, int F, cudaStream_t s, const long long* acc, int E) {
+  if (T == 0) return cudaSuccess;
+  if (K < 1 || K > kRouteMaxK || (acc && (E < K || E > kRouteMaxE))) return cudaErrorInvalidValue;
+  const int groups = std::max(1, kWarps / K);  // groups of NR rows per block (K jobs each): R = NR * groups
+  const int blocks_of_two = (D + 2 * groups - 1) / (2 * groups) * T;
+  const bool two = g_moe_down_variant == 1 || (g_moe_down_variant == 0 && blocks_of_two <= 4 * sm_count());
+  const int R = (two ? 2 : 4) * groups;
+  return launch(two ? kDown2 : kDown4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F,
+                R, acc, E);
+}
+}  // namespace tiermoe::cuda
