@@ -26,6 +26,8 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "cuda/cuda_error.h"
+#include "cuda/cuda_kv_cache.h"
 #include "cuda/kernels.h"
 #include "cuda/sampling.h"
 
@@ -33,12 +35,10 @@ namespace tiermoe {
 namespace {
 
 using cuda::bf16;
+using cuda::CudaKvCache;
+using cuda::KvPagePool;
+using cuda::PromptAttention;
 
-#define CUDA_CK(expr)                                                                                  \
-  do {                                                                                                 \
-    const cudaError_t err_ = (expr);                                                                   \
-    if (err_ != cudaSuccess) ::tiermoe::check_failed(#expr, __FILE__, __LINE__, cudaGetErrorString(err_)); \
-  } while (0)
 #define CUBLAS_CK(expr)                                                                                  \
   do {                                                                                                   \
     const cublasStatus_t st_ = (expr);                                                                   \
@@ -82,168 +82,6 @@ struct DLayer {
   const bf16* experts_gu = nullptr;    // [E, 2F, D]
   const bf16* experts_down = nullptr;  // [E, D, F]
   DLinear shared_gu, shared_down, shared_gate;
-};
-
-// Prompt attention over cache rows already appended, the kernel chosen here alone: the tensor-core
-// one (attention_prefill) where it applies and is on, else the split kernel, whose partial[T, H,
-// n_splits, Dh + 2] scratch only it uses. (Key splits of the tensor-core kernel, 22% faster per
-// launch at OLMoE's 128-block chunks, did not move TTFT: 109.6 vs 109.7 ms at 4096 tokens.)
-struct PromptAttention {
-  bool flash = true, split_p = true;
-  void operator()(float* out, const float* q, cuda::KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
-                  int n_splits, int split_len, float* partial, cudaStream_t s) const {
-    if (flash && cuda::attention_prefill_supported(H, Hkv, Dh))
-      CUDA_CK(cuda::attention_prefill(out, q, kv, pos, T, H, Hkv, Dh, split_p, s));
-    else
-      CUDA_CK(cuda::attention(out, q, kv, pos, T, H, Hkv, Dh, n_splits, split_len, partial, s));
-  }
-};
-
-// ---------------------------------------------------------------------------------------------
-// The KV pages of every sequence (kernels.h, KvPages): K and V [layers, pages, kKvPageRows, Hkv,
-// Dh] BF16, allocated once, so that captured steps keep their pointers while sequences come, grow
-// and go; pages are handed out and taken back on the host.
-class KvPagePool {
- public:
-  KvPagePool(int layers, size_t row, int pages) : row_(row), pages_(pages) {
-    const size_t n = size_t(layers) * pages * cuda::kKvPageRows * row;
-    if (cudaMalloc(&k_, n * 2) != cudaSuccess || cudaMalloc(&v_, n * 2) != cudaSuccess) {
-      cudaFree(k_);  // the first may have succeeded
-      cudaGetLastError();
-      throw InputError("KV cache: cannot allocate " + std::to_string(2 * n * 2 >> 20) + " MiB of GPU memory for " +
-                       std::to_string(pages) + " pages");
-    }
-    for (int p = pages - 1; p >= 0; --p) free_.push_back(p);
-  }
-  ~KvPagePool() {
-    cudaFree(k_);
-    cudaFree(v_);
-  }
-  KvPagePool(const KvPagePool&) = delete;
-  KvPagePool& operator=(const KvPagePool&) = delete;
-
-  bf16* k(int layer) const { return k_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
-  bf16* v(int layer) const { return v_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
-  int pages() const { return pages_; }
-  int free_pages() const { return int(free_.size()); }
-  // n more pages, or an error naming the pool's size (and nothing taken).
-  void take(int n, std::vector<int32_t>& into) {
-    if (n > free_pages())
-      throw InputError("KV cache: the GPU page pool is full (" + std::to_string(pages_ - free_pages()) + " of " +
-                       std::to_string(pages_) + " pages of " + std::to_string(cuda::kKvPageRows) +
-                       " tokens in use, " + std::to_string(n) + " more needed); finish or drop a sequence, or give " +
-                       "the pool more memory (CudaBackendOptions::kv_cache_bytes)");
-    for (int i = 0; i < n; ++i, free_.pop_back()) into.push_back(free_.back());
-  }
-  void give(std::span<const int32_t> pages) { free_.insert(free_.end(), pages.begin(), pages.end()); }
-
- private:
-  size_t row_;
-  int pages_;
-  bf16 *k_ = nullptr, *v_ = nullptr;
-  std::vector<int32_t> free_;
-};
-
-// One sequence's cache: its pages in the pool, its page table on the device (sized for the model's
-// context, so its address never changes while the sequence grows).
-class CudaKvCache final : public KvCache {
- public:
-  CudaKvCache(const KvGeometry& g, KvPagePool& pool, int max_capacity, cudaStream_t s, PromptAttention attention)
-      : g_(g), row_(size_t(g.num_kv_heads) * g.head_dim), max_cap_(max_capacity), pool_(pool), stream_(s),
-        attention_(attention), lens_(g.num_layers, 0), appended_(g.num_layers, 0) {
-    const size_t entries = size_t(max_capacity + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
-    CUDA_CK(cudaMalloc(&table_, entries * 4));
-  }
-  ~CudaKvCache() override {
-    pool_.give(pages_);
-    cudaFree(table_);
-    cudaFree(pos_);
-    cudaFree(partial_);
-  }
-
-  cuda::KvPages kv(int layer) const { return {pool_.k(layer), pool_.v(layer), table_}; }
-  const int32_t* table() const { return table_; }
-
-  // Pages for n rows; may copy to the device (never called inside a captured step).
-  void reserve(int n) {
-    if (n > max_cap_) throw InputError("KV cache: " + std::to_string(n) + " tokens exceed the context of " + std::to_string(max_cap_));
-    const size_t have = pages_.size(), need = size_t(n + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
-    if (need <= have) return;
-    pool_.take(int(need - have), pages_);
-    // From pageable memory: returns once the entries are staged, so pages_ may change after.
-    CUDA_CK(cudaMemcpyAsync(table_ + have, pages_.data() + have, (need - have) * 4, cudaMemcpyHostToDevice, stream_));
-  }
-  void advance(int T) {
-    for (int l = 0; l < g_.num_layers; ++l) {
-      lens_[l] += T;
-      appended_[l] = T;
-    }
-  }
-
-  // KvCache interface: k, v, q and out are DEVICE pointers (see cuda_backend.h).
-  void append(int layer, const float* k, const float* v, int T) override {
-    reserve(lens_[layer] + T);
-    upload_positions(lens_[layer], T);
-    CUDA_CK(cuda::kv_append(kv(layer), k, v, pos_, T, int(row_), stream_));
-    lens_[layer] += T;
-    appended_[layer] = T;
-  }
-  void attend(int layer, const float* q, int T, float* out) const override {
-    CHECK(T <= appended_[layer]);
-    const int n = lens_[layer], split = 256, n_splits = (n + split - 1) / split;
-    const_cast<CudaKvCache*>(this)->upload_positions(n - T, T);
-    const size_t need = size_t(T) * g_.num_heads * n_splits * (g_.head_dim + 2);
-    if (need > partial_n_) {
-      cudaFree(partial_);
-      CUDA_CK(cudaMalloc(&partial_, need * sizeof(float)));
-      partial_n_ = need;
-    }
-    attention_(out, q, kv(layer), pos_, T, g_.num_heads, g_.num_kv_heads, g_.head_dim, n_splits, split, partial_,
-               stream_);
-    CUDA_CK(cudaStreamSynchronize(stream_));
-  }
-  int length() const override { return lens_.empty() ? 0 : lens_.back(); }
-  // Pages past n go back to the pool (the device table's stale entries past n are never read).
-  void truncate(int n) override {
-    for (int l = 0; l < g_.num_layers; ++l) {
-      CHECK(n <= lens_[l]);
-      lens_[l] = n;
-      appended_[l] = 0;
-    }
-    const size_t keep = size_t(n + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
-    if (keep < pages_.size()) {
-      pool_.give(std::span(pages_).subspan(keep));
-      pages_.resize(keep);
-    }
-  }
-  size_t bytes() const override { return size_t(length()) * row_ * 2 * 2 * size_t(g_.num_layers); }
-
- private:
-  void upload_positions(int first, int T) {
-    if (T > pos_n_) {
-      cudaFree(pos_);
-      CUDA_CK(cudaMalloc(&pos_, size_t(T) * 4));
-      pos_n_ = T;
-    }
-    std::vector<int32_t> p(T);
-    for (int i = 0; i < T; ++i) p[i] = first + i;
-    CUDA_CK(cudaMemcpyAsync(pos_, p.data(), size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CK(cudaStreamSynchronize(stream_));
-  }
-
-  KvGeometry g_;
-  size_t row_;
-  int max_cap_;
-  KvPagePool& pool_;
-  cudaStream_t stream_;
-  PromptAttention attention_;
-  std::vector<int32_t> pages_;  // the page of rows [i * kKvPageRows, (i + 1) * kKvPageRows)
-  int32_t* table_ = nullptr;    // pages_ on the device
-  std::vector<int> lens_, appended_;
-  int32_t* pos_ = nullptr;  // for the interface's append/attend only
-  int pos_n_ = 0;
-  mutable float* partial_ = nullptr;
-  mutable size_t partial_n_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------
