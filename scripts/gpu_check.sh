@@ -37,14 +37,15 @@ if [ ! -x $C ]; then
     cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
 if [ "$MODE" = sanitize ]; then  # no check first: each SAN_JOBS entry "tool group N:M" is one process
-  # (TIERMOE_CHECK_SKIP=N:M: the group's cases N .. M-1), all in parallel, each cut off at SAN_S seconds;
+  # (TIERMOE_CHECK_SKIP=N:M: the group's cases N .. M-1; then VAR=value words for its environment, e.g.
+  # "racecheck sample_tokens 0:88 TIERMOE_CHECK_SAMPLE_BATCHED=1"), all in parallel, each cut off at SAN_S seconds;
   # one summary line per job in $OUT/summary.txt, the logs in $OUT/sanitize_logs.tar.xz (8 files come back).
   IFS=';' read -ra san_jobs <<< "${SAN_JOBS:-racecheck attention_prefill 0:8;racecheck attention_prefill 8:16;racecheck moe_prefill 0:12;memcheck sample_tokens 0:88}"
   L=$(mktemp -d)
-  san_one() {
-    local f=$L/$1_$2_${3/:/-}.txt t0=$(date +%s)
-    TIERMOE_CHECK_SKIP=$3 timeout ${SAN_S:-440} compute-sanitizer --tool $1 $C --kernels-only $2 > $f 2>&1; local rc=$?
-    echo "$1 $2 $3 rc=$rc $(( $(date +%s) - t0 ))s ok=$(grep -c '^ok' $f) fail=$(grep -c '^FAIL' $f) | $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1)" >> "$OUT/summary.txt"
+  san_one() {  # tool group N:M [VAR=value ...]
+    local f=$L/$1_$2_${3/:/-}${4:+_x}.txt t0=$(date +%s)
+    env TIERMOE_CHECK_SKIP=$3 "${@:4}" timeout ${SAN_S:-440} compute-sanitizer --tool $1 $C --kernels-only $2 > $f 2>&1; local rc=$?
+    echo "$* rc=$rc $(( $(date +%s) - t0 ))s ok=$(grep -c '^ok' $f) fail=$(grep -c '^FAIL' $f) | $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1)" >> "$OUT/summary.txt"
   }
   for job in "${san_jobs[@]}"; do san_one $job & done
   wait
