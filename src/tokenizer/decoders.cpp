@@ -212,13 +212,7 @@ std::unique_ptr<Decoder> parse_decoder(const JsonNode& node) {
   node.expect_object();
   const JsonNode type_node = node.required("type");
   const std::string type = type_node.str();
-  if (type == "Sequence") {
-    const JsonNode list = node.required("decoders");
-    std::vector<std::unique_ptr<Decoder>> parts;
-    for (size_t i = 0; i < list.size(); ++i)
-      if (auto d = parse_decoder(list.at(i))) parts.push_back(std::move(d));
-    return std::make_unique<SequenceDecoder>(std::move(parts));
-  }
+  if (type == "Sequence") return std::make_unique<SequenceDecoder>(node.parse_each("decoders", parse_decoder));
   if (type == "ByteLevel") return std::make_unique<ByteLevelDecoder>();
   if (type == "Fuse") return std::make_unique<FuseDecoder>();
   if (type == "ByteFallback") return std::make_unique<ByteFallbackDecoder>();

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -51,6 +52,16 @@ class JsonNode {
   JsonNode at(size_t i) const {
     expect_array();
     return JsonNode((*j_)[i], file_, path_ + "[" + std::to_string(i) + "]");
+  }
+  // parse(element) for each element of the array member `key`, null results left out: the parts
+  // of a tokenizer.json "Sequence" component (normalizers, pre-tokenizers, decoders).
+  template <class Parse>
+  auto parse_each(std::string_view key, Parse parse) const {
+    const JsonNode list = required(key);
+    std::vector<decltype(parse(list))> parts;
+    for (size_t i = 0; i < list.size(); ++i)
+      if (auto part = parse(list.at(i))) parts.push_back(std::move(part));
+    return parts;
   }
 
   void expect_object() const {

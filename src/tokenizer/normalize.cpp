@@ -199,13 +199,7 @@ std::unique_ptr<Normalizer> parse_normalizer(const JsonNode& node) {
   node.expect_object();
   const JsonNode type_node = node.required("type");
   const std::string type = type_node.str();
-  if (type == "Sequence") {
-    const JsonNode list = node.required("normalizers");
-    std::vector<std::unique_ptr<Normalizer>> parts;
-    for (size_t i = 0; i < list.size(); ++i)
-      if (auto p = parse_normalizer(list.at(i))) parts.push_back(std::move(p));
-    return std::make_unique<SequenceNormalizer>(std::move(parts));
-  }
+  if (type == "Sequence") return std::make_unique<SequenceNormalizer>(node.parse_each("normalizers", parse_normalizer));
   if (type == "Prepend") return std::make_unique<PrependNormalizer>(node.required("prepend").str());
   if (type == "Replace") {
     const JsonNode pattern = node.required("pattern");

@@ -197,13 +197,8 @@ std::unique_ptr<PreTokenizer> parse_pre_tokenizer(const JsonNode& node) {
   node.expect_object();
   const JsonNode type_node = node.required("type");
   const std::string type = type_node.str();
-  if (type == "Sequence") {
-    const JsonNode list = node.required("pretokenizers");
-    std::vector<std::unique_ptr<PreTokenizer>> parts;
-    for (size_t i = 0; i < list.size(); ++i)
-      if (auto p = parse_pre_tokenizer(list.at(i))) parts.push_back(std::move(p));
-    return std::make_unique<SequencePreTokenizer>(std::move(parts));
-  }
+  if (type == "Sequence")
+    return std::make_unique<SequencePreTokenizer>(node.parse_each("pretokenizers", parse_pre_tokenizer));
   if (type == "ByteLevel")
     return std::make_unique<ByteLevelPreTokenizer>(node.get("add_prefix_space").bool_or(true),
                                                    node.get("use_regex").bool_or(true));
