@@ -95,6 +95,16 @@ TEST(OpenAIProtocol, FieldsAreValidatedByName) {
   EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", true),
             "messages[0].content[0].type");
   EXPECT_EQ(param_of(R"({"prompt": "x", "presence_penalty": 0.5})"), "presence_penalty");
+  // A number JSON cannot hold (the parser's out_of_range, not a parse_error) is a bad body too.
+  for (const char* body : {R"({"prompt": "x", "max_tokens": 1e309})", R"({"prompt": "x", "temperature": -1e400})"}) {
+    try {
+      parse_api_request(body, false);
+      ADD_FAILURE() << body << " was accepted";
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.status, 400) << body;
+      EXPECT_EQ(e.code, "invalid_json") << body;
+    }
+  }
   const auto r = parse_api_request(
       R"({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
           "max_completion_tokens": 7, "stop": "END", "seed": -3, "stream": true,

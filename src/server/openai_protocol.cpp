@@ -121,7 +121,7 @@ ApiRequest parse_api_request(const std::string& text, bool chat) {
   json body;
   try {
     body = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a parse_error, or out_of_range for a number such as 1e309
     throw ApiError(400, std::string("the body is not valid JSON (UTF-8): ") + e.what(), "", "invalid_json");
   }
   if (!body.is_object()) throw ApiError(400, std::string("the body must be a JSON object, got ") + type_name(body));
