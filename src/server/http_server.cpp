@@ -1,5 +1,6 @@
 #include "server/http_server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -95,6 +96,9 @@ struct HttpServer::Impl {
     if (e.status == 429) res.set_header("Retry-After", "1");
     res.set_content(dump(error_body(e)), "application/json");
   }
+
+  // The most body bytes cpp-httplib reads (the handler refuses more than opts.max_body_bytes).
+  size_t payload_max() const { return std::max<size_t>(opts.max_body_bytes * 4, 16 << 20); }
 
   // Validates and tokenizes; builds the scheduler request.
   SeqRequest build(const ApiRequest& r) {
@@ -299,6 +303,20 @@ struct HttpServer::Impl {
     http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(metrics.render(), "text/plain; version=0.0.4");
     });
+    // A Content-Length that is not a byte count, or over the payload limit, is answered before
+    // any body is read: cpp-httplib would wait its read timeout for that many bytes, then close
+    // the connection without an answer.
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (!req.has_header("Content-Length")) return httplib::Server::HandlerResponse::Unhandled;
+      const std::string v = req.get_header_value("Content-Length");
+      const bool count = !v.empty() && v.size() <= 18 && std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (count && std::stoull(v) <= payload_max()) return httplib::Server::HandlerResponse::Unhandled;
+      send_error(res, count ? ApiError(413, "Content-Length: " + v + " bytes; at most " + std::to_string(opts.max_body_bytes) +
+                                                " are accepted", "", "request_too_large")
+                            : ApiError(400, "Content-Length: must be a byte count, got '" + v + "'"));
+      res.set_header("Connection", "close");
+      return httplib::Server::HandlerResponse::Handled;
+    });
     // Every other error (unknown path, wrong method, an HTTP-level failure such as a body over
     // the hard limit) still gets an OpenAI-style body.
     http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
@@ -331,7 +349,7 @@ HttpServer::HttpServer(Engine& engine, const ServerOptions& opts, std::shared_pt
   const SchedulerOptions& so = impl_->scheduler.options();
   const size_t threads = size_t(so.max_batch + so.max_queue + 16);
   impl_->http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  impl_->http.set_payload_max_length(std::max<size_t>(opts.max_body_bytes * 4, 16 << 20));
+  impl_->http.set_payload_max_length(impl_->payload_max());
   impl_->http.set_read_timeout(30, 0);
   impl_->http.set_write_timeout(30, 0);
   impl_->http.set_tcp_nodelay(true);
