@@ -16,14 +16,14 @@ namespace {
 
 struct CmdResult {
   int status;
-  std::string out;  // stdout and stderr together
+  std::string out;  // stdout and stderr together, or stdout alone
 };
 
-CmdResult run_cli(const std::string& args) {
+CmdResult run_cli(const std::string& args, bool with_stderr = true) {
   // ctest sets TIERMOE_BIN; run by hand, the CLI is next to the test binary.
   const char* bin = std::getenv("TIERMOE_BIN");
   const std::string exe = bin ? bin : (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "tiermoe").string();
-  const std::string cmd = exe + " " + args + " 2>&1";
+  const std::string cmd = exe + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;
@@ -156,6 +156,10 @@ TEST(Cli, BadInputGivesClearErrorAndExitCode2) {
     EXPECT_NE(r.out.find(c.expected), std::string::npos) << args << "\n" << r.out;
     EXPECT_EQ(r.out.find("internal error"), std::string::npos) << r.out;
   }
+  // A bad sampling flag: the error alone, nothing on stdout (the prompt was echoed before it).
+  const CmdResult r = run_cli("generate " + m + " -p 'def f(' --top-k -3", false);
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_EQ(r.out, "");
 }
 
 }  // namespace

@@ -424,6 +424,8 @@ TEST(Server, BadBackendFlagsEndWithExitCode2NamingTheFlag) {
        "bench: --config FILE needs --load-format dummy"},
       {"bench --gen 1", "bench: give --model DIR (or --config FILE --load-format dummy)"},
       {"bench --gen 1 --top-p 2" + model, "top_p must be in (0, 1]"},
+      {"serve --port 99999" + model, "--port must be in 0..65535"},
+      {"serve --port -1" + model, "--port must be in 0..65535"},
   };
   for (const auto& [args, message] : cases) {
     FILE* p = popen((bin + " " + args + " 2>&1").c_str(), "r");

@@ -28,11 +28,19 @@ int run_generate(const CommonOptions& c, const std::string& prompt, const std::s
     std::printf("%s\n", out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return 0;
   }
-  if (!prompt.empty()) std::fputs(prompt.c_str(), stdout);
-  GenerateResult r = engine.generate(req, [](std::string_view s) {
+  // The prompt is echoed once generate() has accepted the request, so that a bad flag's error
+  // is all that is printed.
+  bool echoed = prompt.empty();
+  auto echo = [&] {
+    if (!echoed) std::fputs(prompt.c_str(), stdout);
+    echoed = true;
+  };
+  GenerateResult r = engine.generate(req, [&](std::string_view s) {
+    echo();
     std::fwrite(s.data(), 1, s.size(), stdout);
     std::fflush(stdout);
   });
+  echo();
   std::fputc('\n', stdout);
   std::fflush(stdout);
   const double tps = r.decode_seconds > 0 ? double(r.ids.size()) / r.decode_seconds : 0;

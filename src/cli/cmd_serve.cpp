@@ -28,6 +28,8 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   int threads = c.threads;
   if (threads <= 0 && !std::getenv("TIERMOE_THREADS"))
     threads = std::max(1, int(std::thread::hardware_concurrency()) - 1);
+  if (s.port < 0 || s.port > 65535)
+    throw InputError("--port must be in 0..65535 (0: any free port), got " + std::to_string(s.port));
   if (s.max_batch < 1) throw InputError("--max-batch must be >= 1");
   if (s.kv_memory_mb < 1) throw InputError("--kv-memory-mb must be >= 1");
   EngineOptions eo = engine_options(c);  // --kv, --kv-config, --kv-profile, --backend as every command
