@@ -156,6 +156,12 @@ TEST(Cli, BadInputGivesClearErrorAndExitCode2) {
     EXPECT_NE(r.out.find(c.expected), std::string::npos) << args << "\n" << r.out;
     EXPECT_EQ(r.out.find("internal error"), std::string::npos) << r.out;
   }
+  // An output path that cannot be written: refused before the calibration runs, not after it.
+  const CmdResult cal = run_cli("calibrate " + m + " --kv default --file " + test::tinymix_dir() +
+                                "/README.md --tokens 256 -o /nonexistent/dir/profile.bin");
+  EXPECT_EQ(cal.status, 2) << cal.out;
+  EXPECT_NE(cal.out.find("/nonexistent/dir/profile.bin: its directory does not exist"), std::string::npos) << cal.out;
+  EXPECT_EQ(cal.out.find("calibrate ["), std::string::npos) << "calibrated first:\n" << cal.out;
   // A bad sampling flag: the error alone, nothing on stdout (the prompt was echoed before it).
   const CmdResult r = run_cli("generate " + m + " -p 'def f(' --top-k -3", false);
   EXPECT_EQ(r.status, 2) << r.out;

@@ -3,6 +3,9 @@
 // queries at once, and writes them as a profile that --kv-profile loads.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -21,6 +24,11 @@ int run_calibrate(const CommonOptions& c, const std::string& file, const std::st
   if (tokens < 16 || tokens > engine.config().max_position_embeddings)
     throw InputError("--tokens: must be in [16, " + std::to_string(engine.config().max_position_embeddings) + "]");
   if (offset < 0) throw InputError("--offset: must be >= 0");
+  // Where the profile goes is checked before the calibration's minutes, not after them.
+  const std::filesystem::path out_path(out), out_dir = out_path.has_parent_path() ? out_path.parent_path() : ".";
+  if (!std::filesystem::is_directory(out_dir)) throw InputError(out + ": its directory does not exist");
+  if (access(out_dir.c_str(), W_OK) != 0 || (std::filesystem::exists(out_path) && access(out.c_str(), W_OK) != 0))
+    throw InputError(out + ": cannot write");
   const auto ids = engine.tokenizer().encode(read_text_file(file));
   if (int(ids.size()) < offset + tokens)
     throw InputError(file + ": " + std::to_string(ids.size()) + " tokens, fewer than --offset + --tokens");
