@@ -115,6 +115,15 @@ TEST(Cli, TokenizeAndScoreJson) {
   EXPECT_NEAR(j["mean_nll"].get<double>(), mean / double(ids.size() - 1), 1e-5);
   EXPECT_EQ(j["logits"]["0"].size(), 8192u);
   EXPECT_EQ(j["logits"][std::to_string(ids.size() - 1)].size(), 8192u);
+  // One token: its logits, but no next token to score, so no mean (not a mean of 0, perplexity 1).
+  CmdResult one = run_cli("score " + model_flag() + " --ids 5 --logits-at 0 --json");
+  ASSERT_EQ(one.status, 0) << one.out;
+  auto j1 = nlohmann::json::parse(one.out);
+  EXPECT_TRUE(j1["nll"].empty());
+  EXPECT_TRUE(j1["mean_nll"].is_null()) << one.out;
+  EXPECT_EQ(j1["logits"]["0"].size(), 8192u);
+  CmdResult text = run_cli("score " + model_flag() + " --ids 5");
+  EXPECT_NE(text.out.find("no next token to score"), std::string::npos) << text.out;
 }
 
 TEST(Cli, PplJson) {

@@ -17,11 +17,17 @@ int run_score(const CommonOptions& c, const std::string& ids_text, const std::st
   ScoreResult r = engine.score(ids, logits_at);
   nlohmann::json logits = nlohmann::json::object();
   for (size_t i = 0; i < logits_at.size(); ++i) logits[std::to_string(logits_at[i])] = r.logits[i];
-  nlohmann::json out = {{"nll", r.nll}, {"mean_nll", r.mean_nll}, {"logits", logits}};
+  // One token has no next token to score: no mean (null), rather than a mean of 0.
+  const bool scored = !r.nll.empty();
+  nlohmann::json out = {{"nll", r.nll},
+                         {"mean_nll", scored ? nlohmann::json(r.mean_nll) : nlohmann::json()},
+                         {"logits", logits}};
   if (c.json) {
     std::printf("%s\n", out.dump().c_str());
-  } else {
+  } else if (scored) {
     std::printf("tokens %zu  mean nll %.6f  perplexity %.4f\n", ids.size(), r.mean_nll, std::exp(r.mean_nll));
+  } else {
+    std::printf("tokens %zu  (no next token to score)\n", ids.size());
   }
   return 0;
 }
