@@ -92,6 +92,9 @@ TEST(OpenAIProtocol, FieldsAreValidatedByName) {
   EXPECT_EQ(param_of(R"({"prompt": "x", "top_p": 1.5})"), "top_p");
   EXPECT_EQ(param_of(R"({"prompt": "x", "stop": ["a", 3]})"), "stop[1]");
   EXPECT_EQ(param_of(R"({"prompt": ["a", "b"]})"), "prompt");
+  EXPECT_EQ(param_of(R"({"prompt": [1.5]})"), "prompt[0]");  // a token id that is no integer
+  EXPECT_EQ(param_of(R"({"prompt": [2, 1.5]})"), "prompt[1]");
+  EXPECT_EQ(param_of(R"({"prompt": [null]})"), "prompt[0]");
   EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", true),
             "messages[0].content[0].type");
   EXPECT_EQ(param_of(R"({"prompt": "x", "presence_penalty": 0.5})"), "presence_penalty");

@@ -149,7 +149,7 @@ ApiRequest parse_api_request(const std::string& text, bool chat) {
     if (!p) bad("prompt", "is required");
     if (p->is_string()) {
       r.prompt = p->get<std::string>();
-    } else if (p->is_array() && !p->empty() && (*p)[0].is_number_integer()) {
+    } else if (p->is_array() && !p->empty() && (*p)[0].is_number()) {  // token_ids names a non-integer
       r.prompt_ids = token_ids(*p, "prompt");
     } else if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) {
       r.prompt = (*p)[0].get<std::string>();
@@ -157,8 +157,10 @@ ApiRequest parse_api_request(const std::string& text, bool chat) {
       r.prompt_ids = token_ids((*p)[0], "prompt[0]");
     } else if (p->is_array() && p->size() > 1) {
       bad("prompt", "several prompts in one request are not supported; send one request per prompt");
-    } else if (p->is_array()) {
+    } else if (p->is_array() && p->empty()) {
       bad("prompt", "must not be empty");
+    } else if (p->is_array()) {
+      wrong_type("prompt[0]", "a string, a token id or an array of token ids", (*p)[0]);
     } else {
       wrong_type("prompt", "a string or an array of token ids", *p);
     }
