@@ -60,13 +60,12 @@ __device__ inline void merge_splits(float* __restrict__ out, const float* __rest
     if (threadIdx.x < hn) Mh[threadIdx.x] = -INFINITY;
     for (int s0 = 0; s0 < n_splits; s0 += per_chunk) {
       const int ns = min(per_chunk, n_splits - s0);
-      // Head g's rows s0 .. s0 + ns - 1 at stage(g): 16-byte aligned base, plus p's offset modulo 16.
-      auto stage = [&](int g) {
-        const float* src = p + (size_t(g0 + g) * n_splits + s0) * row;
-        return buf + g * span + ((reinterpret_cast<uintptr_t>(src) & 15) >> 2);
-      };
+      // Head g's rows s0 .. s0 + ns - 1: src(g) in p, stage(g) in buf (a 16-byte aligned base plus
+      // src(g)'s offset modulo 16).
+      auto src = [&](int g) { return p + (size_t(g0 + g) * n_splits + s0) * row; };
+      auto stage = [&](int g) { return buf + g * span + ((reinterpret_cast<uintptr_t>(src(g)) & 15) >> 2); };
       __syncthreads();  // the previous chunk (and Mh's reset) done with
-      for (int g = 0; g < hn; ++g) stage_rows(stage(g), p + (size_t(g0 + g) * n_splits + s0) * row, ns * row);
+      for (int g = 0; g < hn; ++g) stage_rows(stage(g), src(g), ns * row);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
