@@ -216,7 +216,8 @@ class CudaBackend final : public Backend {
   // gemm() on an activation given as to_bf16(hi, lo, x) made it (lo null: hi alone).
   void gemm_split(float* y, const bf16* hi, const bf16* lo, const bf16* w, int T, int N, int K, bool accumulate);
   void mlp(const DLinear& gu, const DLinear& down, int T, float* out, bool accumulate);
-  void moe(const DLayer& L, int T);
+  // logits_in_acc: the o projection summed the router's logits into route_acc_ (router_in_oproj).
+  void moe(const DLayer& L, int T, bool logits_in_acc);
   enum class MoePath { Grouped, Fused, Experts };  // the kernels moe() runs at T (moe_path)
   MoePath moe_path(int T) const;
   // The router folded into the o projection and the experts (cuda::RouterLogits): the fused path
@@ -558,11 +559,11 @@ CudaBackend::MoePath CudaBackend::moe_path(int T) const {
   return T <= cuda::kGemvMaxT && moe_mode_ != MoeMode::Unfused ? MoePath::Fused : MoePath::Experts;
 }
 
-void CudaBackend::moe(const DLayer& L, int T) {
+void CudaBackend::moe(const DLayer& L, int T, bool logits_in_acc) {
   const int D = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.top_k, F = cfg_.expert_ffn;
   const MoePath path = moe_path(T);
   const bool grouped = path == MoePath::Grouped, fused = path == MoePath::Fused;
-  if (router_in_oproj(L, T)) {  // the o projection summed the logits into route_acc_
+  if (logits_in_acc) {
     CUDA_CK(cuda::moe_gate_up_routed(act_, topk_, wts_, x_, L.ffn_norm, cfg_.rms_norm_eps, route_acc_, L.experts_gu,
                                      T, E, K, F, D, cfg_.norm_topk_prob, stream_));                 // [T, K, F]
     CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_, route_acc_, E));  // x += ...
@@ -671,7 +672,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     else
       linear(x_, att_, L.o, T, true);  // x += attn @ Wo^T
     if (L.is_moe) {
-      moe(L, T);  // the FFN norm inside
+      moe(L, T, route_in_oproj);  // the FFN norm inside
     } else {
       CUDA_CK(cuda::rmsnorm(h_, x_, L.ffn_norm, T, D, eps, stream_));
       mlp(L.dense_gu, L.dense_down, T, x_, true);
