@@ -185,10 +185,11 @@ TEST(Server, BadInputGets4xxAndServerKeepsServing) {
   for (const auto& [length, status] : std::vector<std::pair<std::string, int>>{
            {"-5", 400}, {"12abc", 400}, {"99999999999999999999", 400}, {"100000000000", 413}}) {
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string raw = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: " + length +
+    const std::string what = "Content-Length: " + length;
+    const std::string raw = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + what +
                             "\r\nContent-Type: application/json\r\n\r\n";
-    expect_error_body(test::http(port, "", "", "", raw), status, "Content-Length " + length);
-    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "Content-Length " << length;
+    expect_error_body(test::http(port, "", "", "", raw), status, what);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << what;
   }
   // Not HTTP at all.
   auto garbage = test::http(port, "", "", "", "NOT-HTTP \x01\x02\r\n\r\n");
