@@ -112,6 +112,7 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
   # new-tc1: on the tensor cores from the first key (G >= 4; TIERMOE_CUDA_DECODE_TC=1), for the short-context rows
   # new-rows1 / new-rows2: gemv3 (norm + q/k/v) with 1 / 2 rows per warp forced (TIERMOE_CUDA_GEMV3_ROWS)
   # new-routekernel: the router as its own launch (moe_route) instead of in the o projection (TIERMOE_CUDA_ROUTE=kernel)
+  # new-ropelate: qk_norm_rope reads pos and the norm weights and computes its angles after the wait (TIERMOE_CUDA_ROPE_EARLY=0)
   [[ " ${AB_VARIANTS:-old} " != *" old "* ]] || [ -x "${OLD_BIN:-}" ] || { echo "ab: OLD_BIN must name the earlier build's tiermoe_cuda_check"; exit 2; }
   # AB_ROWS: "config ctx gen repeats" rows separated by ';' (default: the two shapes at ctx 16 and 4096)
   IFS=';' read -ra abrows <<< "${AB_ROWS:-olmoe-1b-7b-v8192.json 16 128 3;olmoe-1b-7b-v8192.json 4096 64 2;qwen3-30b-a3b-L16-v8192.json 16 128 3;qwen3-30b-a3b-L16-v8192.json 4096 64 2}"
@@ -128,8 +129,9 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
         tcg=4; [ $v = new-tcall ] && tcg=1
         rows=0; [ $v = new-rows1 ] && rows=1; [ $v = new-rows2 ] && rows=2
         route=oproj; [ $v = new-routekernel ] && route=kernel
+        rope_early=1; [ $v = new-ropelate ] && rope_early=0
         log "ab $1 ctx=$2 $v round $round"
-        timeout 75 env TIERMOE_CUDA_PDL=$pdl TIERMOE_CUDA_SPLIT=$split TIERMOE_CUDA_GEMV_STAGE=$stage TIERMOE_CUDA_ATTN_EARLY=$early TIERMOE_CUDA_DECODE_TC=$tc TIERMOE_CUDA_DECODE_TC_MIN_G=$tcg TIERMOE_CUDA_GEMV3_ROWS=$rows TIERMOE_CUDA_ROUTE=$route $bin bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
+        timeout 75 env TIERMOE_CUDA_PDL=$pdl TIERMOE_CUDA_SPLIT=$split TIERMOE_CUDA_GEMV_STAGE=$stage TIERMOE_CUDA_ATTN_EARLY=$early TIERMOE_CUDA_DECODE_TC=$tc TIERMOE_CUDA_DECODE_TC_MIN_G=$tcg TIERMOE_CUDA_GEMV3_ROWS=$rows TIERMOE_CUDA_ROUTE=$route TIERMOE_CUDA_ROPE_EARLY=$rope_early $bin bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
           sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/ab.jsonl"
       done
     done

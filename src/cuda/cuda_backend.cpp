@@ -104,6 +104,8 @@ class CudaBackend final : public Backend {
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
+    const char* rope_early = std::getenv("TIERMOE_CUDA_ROPE_EARLY");
+    cuda::set_rope_early(!(rope_early && rope_early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV3_ROWS")) cuda::set_gemv3_rows(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) opts_.tc_decode_keys = std::max(0, std::atoi(e));

@@ -46,21 +46,41 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
 // of q or of k (norm over the whole projection, which one block must see); q's segments first.
 // A thread per rotated pair where the block allows. RMSNorm over the segment, then RoPE, in place.
 // With kv.table, k's segments also write their rotated keys and the values v to cache row pos[t].
+// With `early`, what no kernel of the pass writes -- the position and page table (copied before
+// the pass's first kernel), the norm weights -- and what follows from them (the thread's first
+// pair's angle by powf / sincosf, its cache row) are taken before the wait for the q/k/v
+// projection, off the chain between it and attention; the same values, the same bits.
 __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const float* kn, bool full,
                                     const int32_t* pos, int H, int Hkv, int Dh, float eps, float theta, KvPages kv,
-                                    const float* vin) {
-  pdl_wait();
-  pdl_launch_dependents();
+                                    const float* vin, bool early) {
   const int seg = blockIdx.x, t = blockIdx.y, half = Dh / 2;
   const int q_segs = full ? 1 : H;
   const bool is_q = seg < q_segs;
-  const int heads = full ? (is_q ? H : Hkv) : 1, len = heads * Dh;
+  const int heads = full ? (is_q ? H : Hkv) : 1, len = heads * Dh, pairs = heads * half;
   const float* nw = is_q ? qn : kn;
   const size_t first = size_t(full ? 0 : (is_q ? seg : seg - q_segs)) * Dh;  // the segment in its head row
   float* v = (is_q ? q + size_t(t) * H * Dh : k + size_t(t) * Hkv * Dh) + first;
-  // With the append: the segment's place in cache row pos[t].
-  const bool append = !is_q && kv.table;
-  const size_t cache_at = append ? kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh + first : 0;
+  const bool append = !is_q && kv.table;  // then the segment's place in cache row pos[t]
+  float p = 0.f;
+  size_t cache_at = 0;
+  // Pair i's rotation (sin, cos) and norm weights (wa, wb: 1 without a norm).
+  auto pair_params = [&](int i, float& sn, float& cs, float& wa, float& wb) {
+    const int h = i / half, j = i % half;
+    const float inv_freq = 1.0f / powf(theta, float(2 * j) / float(Dh));
+    sincosf(inv_freq * p, &sn, &cs);
+    const int wj = full ? h * Dh + j : j;  // norm weights span the segment
+    wa = nw ? nw[wj] : 1.f;
+    wb = nw ? nw[wj + half] : 1.f;
+  };
+  float sn0 = 0.f, cs0 = 1.f, wa0 = 1.f, wb0 = 1.f;  // the thread's first pair, i = threadIdx.x
+  auto prepare = [&] {
+    p = float(pos[t]);
+    cache_at = append ? kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh + first : 0;
+    if (int(threadIdx.x) < pairs) pair_params(threadIdx.x, sn0, cs0, wa0, wb0);
+  };
+  if (early) prepare();
+  pdl_wait();
+  pdl_launch_dependents();
   float inv = 1.f;
   if (nw) {
     __shared__ float part[32];
@@ -73,15 +93,13 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     for (int w = 0; w < int(blockDim.x >> 5); ++w) ss += part[w];
     inv = 1.0f / sqrtf(ss / float(len) + eps);
   }
-  const float p = float(pos[t]);
-  for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
+  if (!early) prepare();
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
     const int h = i / half, j = i % half;
-    const float inv_freq = 1.0f / powf(theta, float(2 * j) / float(Dh));
-    float sn, cs;
-    sincosf(inv_freq * p, &sn, &cs);
+    float sn = sn0, cs = cs0, wa = wa0, wb = wb0;
+    if (i != int(threadIdx.x)) pair_params(i, sn, cs, wa, wb);
     float* r = v + size_t(h) * Dh;
-    const int wj = full ? h * Dh + j : j;  // norm weights span the segment
-    const float a = nw ? r[j] * inv * nw[wj] : r[j], b = nw ? r[j + half] * inv * nw[wj + half] : r[j + half];
+    const float a = nw ? r[j] * inv * wa : r[j], b = nw ? r[j + half] * inv * wb : r[j + half];
     r[j] = a * cs - b * sn;
     r[j + half] = b * cs + a * sn;
     if (append) {
@@ -250,10 +268,12 @@ unsigned grid_for(size_t n, int threads = 256) {
 }
 
 bool g_programmatic_launch = false;
+bool g_rope_early = true;  // TIERMOE_CUDA_ROPE_EARLY=0: qk_norm_rope takes everything after the wait
 }  // namespace
 
 bool programmatic_launch() { return g_programmatic_launch; }
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
+void set_rope_early(bool on) { g_rope_early = on; }
 
 cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
@@ -280,7 +300,7 @@ cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k
   // OLMoE's shape (docs/benchmarks.md).
   const int threads = std::min(1024, std::max(32, (pairs + 31) / 32 * 32));
   return launch(qk_norm_rope_kernel, dim3(segs, T), threads, 0, s, q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta,
-                append, v);
+                append, v, g_rope_early);
 }
 
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s) {

@@ -52,6 +52,10 @@ cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, f
 cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k_norm, bool full, const int32_t* pos,
                          int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s, KvPages append = {},
                          const float* v = nullptr);
+// On by default: pos, the page table and the norm weights read, and the first pair's angle
+// computed, before the wait for the previous kernel (none of the pass writes them). Off: after it,
+// for A/B timing. The same bits either way.
+void set_rope_early(bool on);
 
 // x[T, N] += b[N]                                               twin: add_bias
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s);

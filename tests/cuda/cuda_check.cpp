@@ -236,7 +236,9 @@ void check_rmsnorm_rope_misc() {
   // q/k norm (none, per head, over the whole projection) and RoPE in one launch.
   struct R { int T, H, Hkv, Dh, norm; float theta; int maxpos; };
   for (R r : {R{1, 4, 4, 16, 0, 1e4f, 10}, R{5, 32, 4, 128, 1, 1e6f, 40000}, R{9, 3, 3, 64, 2, 5e5f, 4096},
-              R{4, 8, 2, 64, 0, 1e6f, 3000}, R{2, 16, 16, 128, 2, 1e4f, 8192}, R{3, 6, 2, 96, 1, 1e6f, 100}}) {
+              R{4, 8, 2, 64, 0, 1e6f, 3000}, R{2, 16, 16, 128, 2, 1e4f, 8192}, R{3, 6, 2, 96, 1, 1e6f, 100},
+              // more pairs than threads: 40 x 32 over 1024 threads, so some threads take two
+              R{2, 40, 8, 64, 2, 1e6f, 5000}}) {
     auto q = randn(size_t(r.T) * r.H * r.Dh, 2.f), k = randn(size_t(r.T) * r.Hkv * r.Dh, 2.f);
     auto qn = randn(r.norm == 2 ? r.H * r.Dh : r.Dh), kn = randn(r.norm == 2 ? r.Hkv * r.Dh : r.Dh);
     std::vector<int32_t> pos(r.T);
@@ -257,10 +259,19 @@ void check_rmsnorm_rope_misc() {
     Dev<int32_t> dp(pos);
     CK(cu::qk_norm_rope(dq.p, dk.p, r.norm ? dqn.p : nullptr, r.norm ? dkn.p : nullptr, r.norm == 2, dp.p, r.T, r.H,
                         r.Hkv, r.Dh, 1e-6f, r.theta, 0));
+    // The same with everything taken after the wait (set_rope_early(false)): the same bits.
+    Dev<float> dq_late(q), dk_late(k);
+    cu::set_rope_early(false);
+    CK(cu::qk_norm_rope(dq_late.p, dk_late.p, r.norm ? dqn.p : nullptr, r.norm ? dkn.p : nullptr, r.norm == 2, dp.p,
+                        r.T, r.H, r.Hkv, r.Dh, 1e-6f, r.theta, 0));
+    cu::set_rope_early(true);
+    const bool late_same = dq_late.get() == dq.get() && dk_late.get() == dk.get();
     // FP32 sin/cos of angles up to ~4e4 rad: CUDA's sincosf and glibc differ by a few ulp of the angle.
     report(fmt("qk_norm_rope T=%d H=%d Hkv=%d Dh=%d norm=%s theta=%.0e pos<%d", r.T, r.H, r.Hkv, r.Dh,
                r.norm == 0 ? "none" : (r.norm == 1 ? "head" : "full"), r.theta, r.maxpos),
-           std::max(rel(dq.get(), rq), rel(dk.get(), rk)), 5e-5);
+           std::max(rel(dq.get(), rq), rel(dk.get(), rk)), 5e-5,
+           late_same ? "taken after the wait: same bits" : "taken after the wait: DIFFERS");
+    if (!late_same) ++g_fail;
     // Again with the cache append (the tensor-core decode path): q and k as before, and the pool
     // holding exactly bf16(rotated k) and bf16(v) at rows pos[t] (shuffled pages), nothing else.
     const int row = r.Hkv * r.Dh;
