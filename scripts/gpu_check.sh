@@ -77,11 +77,13 @@ if [ "$MODE" = again ]; then  # the kernel table twice more, then the race and i
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
 fi
 if [ "$MODE" = profile ]; then  # ncu: every kernel of one eager decode step, summed per kernel name
-  for cc in "olmoe-1b-7b-v8192.json 16" "olmoe-1b-7b-v8192.json 4096" "qwen3-30b-a3b-L16-v8192.json 4096"; do
-    set -- $cc; log "profile $1 ctx=$2"
+  # PROFILE_ROWS: "config ctx batch" rows separated by ';' (batch > 1: one forward_batch step of that many sequences)
+  IFS=';' read -ra prows <<< "${PROFILE_ROWS:-olmoe-1b-7b-v8192.json 16 1;olmoe-1b-7b-v8192.json 4096 1;qwen3-30b-a3b-L16-v8192.json 4096 1}"
+  for cc in "${prows[@]}"; do
+    set -- $cc; log "profile $1 ctx=$2 B=$3"
     TIERMOE_CUDA_GRAPHS=0 timeout 120 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \
-      --csv --print-units base --log-file "$OUT/ncu.csv" $C profile --config configs/$1 --ctx $2 > /dev/null
-    python3 - "$OUT/ncu.csv" "$1 ctx=$2" <<'PY' | tee -a "$OUT/profile.txt"
+      --csv --print-units base --log-file "$OUT/ncu.csv" $C profile --config configs/$1 --ctx $2 --batch $3 > /dev/null
+    python3 - "$OUT/ncu.csv" "$1 ctx=$2 B=$3" <<'PY' | tee -a "$OUT/profile.txt"
 import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')) if r[-1].replace(',', '').replace('.', '').isdigit()]
 tot = collections.OrderedDict()

@@ -1545,32 +1545,50 @@ int batchtable_main(int argc, char** argv) {
 
 int profile_main(int argc, char** argv) {
   std::string config;
-  int ctx = 16;
+  int ctx = 16, batch = 1;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--config") config = v;
     else if (k == "--ctx") ctx = std::stoi(v);
+    else if (k == "--batch") batch = std::stoi(v);
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
-  const ModelConfig cfg = parse_config(test::read_file(config), config);
-  // A pool for this one sequence: the default takes the free memory, which ncu's kernel replay needs.
-  CudaBackendOptions o;
-  o.kv_cache_bytes = size_t(ctx / cu::kKvPageRows + 2) * kv_page_bytes(cfg);
-  auto b = make_cuda_backend_dummy(cfg, o);
-  auto cache = b->new_cache();
-  std::vector<int32_t> prompt(static_cast<size_t>(ctx));
-  for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
-  std::vector<float> logits(size_t(cfg.vocab_size));
-  b->forward(prompt, *cache, 1, logits.data());
-  for (int i = 0; i < 3; ++i) {  // warm: graphs captured, caches of the GPU filled as in a long decode
-    const int32_t next = argmax(logits);
-    b->forward(std::span(&next, 1), *cache, 1, logits.data());
+  if (config.empty() || ctx < 1 || batch < 1) {
+    std::fprintf(stderr, "profile: needs --config FILE, --ctx >= 1 and --batch >= 1\n");
+    return 2;
   }
-  const int32_t next = argmax(logits);
+  const ModelConfig cfg = parse_config(test::read_file(config), config);
+  // A pool for these sequences alone: the default takes the free memory, which ncu's kernel replay needs.
+  CudaBackendOptions o;
+  o.kv_cache_bytes = size_t(batch) * (ctx / cu::kKvPageRows + 2) * kv_page_bytes(cfg);
+  auto b = make_cuda_backend_dummy(cfg, o);
+  const size_t V = size_t(cfg.vocab_size);
+  std::vector<std::unique_ptr<KvCache>> caches;
+  std::vector<float> logits(size_t(batch) * V);
+  std::vector<int32_t> next(batch);
+  for (int s = 0; s < batch; ++s) {
+    std::vector<int32_t> prompt(static_cast<size_t>(ctx));
+    for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
+    caches.push_back(b->new_cache());
+    b->forward(prompt, *caches.back(), 1, logits.data());
+    next[s] = argmax(std::span(logits.data(), V));
+  }
+  // One decode step of all sequences (forward for one, as a served batch of one runs it).
+  auto step = [&] {
+    if (batch == 1) {
+      b->forward(std::span(&next[0], 1), *caches[0], 1, logits.data());
+    } else {
+      std::vector<Backend::SeqStep> steps(batch);
+      for (int s = 0; s < batch; ++s) steps[s] = {std::span(&next[s], 1), caches[s].get(), 1};
+      b->forward_batch(steps, logits.data());
+    }
+    for (int s = 0; s < batch; ++s) next[s] = argmax(std::span(logits.data() + size_t(s) * V, V));
+  };
+  for (int i = 0; i < 3; ++i) step();  // warm: graphs captured, caches of the GPU filled as in a long decode
   CK(cudaProfilerStart());
-  b->forward(std::span(&next, 1), *cache, 1, logits.data());
+  step();
   CK(cudaProfilerStop());
-  std::printf("profiled one decode step at position %d\n", ctx + 3);
+  std::printf("profiled one decode step of %d sequence(s) at position %d\n", batch, ctx + 3);
   return 0;
 }
 
