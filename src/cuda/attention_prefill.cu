@@ -127,8 +127,12 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   constexpr int KW = KEY_WARPS ? kTileK / kWarps : kTileK;  // keys of a tile per warp
   constexpr int NTW = KW / 8;                               // S column tiles per warp
   const int TQ = RW / G, kvh = blockIdx.y;
-  const int t0 = (gridDim.x - 1 - blockIdx.x) * TQ;  // the longest query tiles start first
-  const int nt = min(TQ, T - t0);
+  // A decode batch (kv.tables): block x takes token x alone, the newest of its own sequence. Else
+  // a tile of TQ tokens of one sequence, the longest query tiles first.
+  const bool per_seq = kv.tables != nullptr;
+  const int t0 = per_seq ? int(blockIdx.x) : (gridDim.x - 1 - blockIdx.x) * TQ;
+  const int nt = per_seq ? 1 : min(TQ, T - t0);
+  if (per_seq) kv.table = kv.tables[t0];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, qi = lane & 3;
 
   // Block row r's offset of its [Dh] in q and out, or -1 for padding (every key masked, nothing
@@ -307,7 +311,8 @@ cudaError_t launch_prefill_as(float* out, float* partial, const float* q, KvPage
   if (opt_in != cudaSuccess) return opt_in;
   const int G = H / Hkv, TQ = (KEY_WARPS ? 16 : kRows) / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
-  const cudaError_t e = launch(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>, dim3((T + TQ - 1) / TQ, Hkv, n_splits),
+  const int tiles = kv.tables ? T : (T + TQ - 1) / TQ;  // a decode batch: a block per token
+  const cudaError_t e = launch(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>, dim3(tiles, Hkv, n_splits),
                                kThreads, smem_bytes(DH), s, out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
   if (e != cudaSuccess || n_splits == 1) return e;
   return attention_merge_splits(out, partial, T, H, DH, n_splits, s);
@@ -331,7 +336,7 @@ cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int3
   if (!attention_prefill_supported(H, Hkv, Dh) || T < 0 || n_splits < 1 || n_splits > 65535 || (n_splits > 1 && !partial))
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const bool key_warps = T * (H / Hkv) <= 16;
+  const bool key_warps = (kv.tables ? 1 : T) * (H / Hkv) <= 16;
   if (Dh == 64)
     return split_p ? launch_prefill<64, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s)
                    : launch_prefill<64, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s);

@@ -269,16 +269,24 @@ class CudaBackend final : public Backend {
   // sequence): their page tables [B], on the device and pinned on the host; the split count of the
   // pass (0: attention per piece).
   bool batch_attention_ = kDefaultBatchAttention;
+  // A decode batch's attention on the tensor cores (attention_prefill over tables_), where the
+  // batch-1 rule (tc_decode) would take them for its longest sequence; TIERMOE_CUDA_BATCH_TC=0: never.
+  bool batch_tc_allowed_ = true, batch_tc_ = false;
   const int32_t **tables_ = nullptr, **h_tables_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
   // Decode attention of one sequence on the tensor cores (CudaBackendOptions::tc_decode_keys).
-  bool tc_decode(const std::vector<Piece>& pieces) const {
+  // Decode attention on the tensor cores for a sequence of `keys` keys (its longest, for a batch).
+  bool tc_decode_keys(int keys) const {
     return opts_.tc_decode_keys > 0 && cfg_.num_heads >= opts_.tc_decode_min_group * cfg_.num_kv_heads &&
-           pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT &&
-           pieces[0].cache->length() + pieces[0].n >= opts_.tc_decode_keys &&
-           cuda::attention_prefill_supported(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
+           keys >= opts_.tc_decode_keys && cuda::attention_prefill_supported(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
   }
+  bool tc_decode(const std::vector<Piece>& pieces) const {
+    return pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT && tc_decode_keys(pieces[0].cache->length() + pieces[0].n);
+  }
+  // The tensor-core decode's key splits: 4 per 1024 keys from 1024 on (at 4096 keys 3-6% faster per
+  // token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md).
+  static int tc_decode_splits(int keys) { return keys > 1024 ? (keys + 1023) / 1024 * 4 : 0; }
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
@@ -336,6 +344,7 @@ void CudaBackend::read_switches() {
   const int grouped_min_t = min_t ? std::max(1, std::atoi(min_t)) : kGroupedMinT;
   const char* ba = std::getenv("TIERMOE_CUDA_BATCH_ATTN");
   const bool batch_attention = ba ? ba[0] == '1' : kDefaultBatchAttention;
+  const char* btc = std::getenv("TIERMOE_CUDA_BATCH_TC");
   bool in_oproj = true;
   if (const char* e = std::getenv("TIERMOE_CUDA_ROUTE")) {
     if (std::strcmp(e, "kernel") == 0) in_oproj = false;
@@ -350,6 +359,7 @@ void CudaBackend::read_switches() {
   grouped_min_t_ = grouped_min_t;
   route_in_oproj_ = in_oproj;
   batch_attention_ = batch_attention;
+  batch_tc_allowed_ = !(btc && btc[0] == '0');
 }
 
 // The page pool's size: kv_cache_bytes when given, else the GPU memory free once the weights and
@@ -621,7 +631,9 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   const int D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
   const float eps = cfg_.rms_norm_eps;
   CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
-  const bool tc = tc_decode(pieces);  // decode attention on the tensor cores: qk_norm_rope appends the rows
+  // Decode attention on the tensor cores (one sequence, or a batch through tables_): qk_norm_rope
+  // appends the new rows first.
+  const bool tc = tc_decode(pieces);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
     const bool route_in_oproj = router_in_oproj(L, T);
@@ -645,12 +657,14 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       CUDA_CK(cuda::clamp(k_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
       CUDA_CK(cuda::clamp(v_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
     }
+    const cuda::KvPages batch_kv{pool().k(l), pool().v(l), nullptr, tables_};
+    const cuda::KvPages append = tc ? pieces[0].cache->kv(l) : (batch_tc_ ? batch_kv : cuda::KvPages{});
     CUDA_CK(cuda::qk_norm_rope(q_, k_, L.q_norm, L.k_norm, cfg_.qk_norm == QkNorm::Full, pos_, T, H, Hkv, Dh, eps,
-                               cfg_.rope_theta, stream_, tc ? pieces[0].cache->kv(l) : cuda::KvPages{}, v_));
+                               cfg_.rope_theta, stream_, append, v_));
     const size_t B = pieces.size();
-    if (tc) {
-      CUDA_CK(cuda::attention_prefill(att_, q_, pieces[0].cache->kv(l), pos_, T, H, Hkv, Dh, true, stream_, partial_,
-                                      pieces[0].n_splits));
+    if (tc || batch_tc_) {
+      CUDA_CK(cuda::attention_prefill(att_, q_, append, pos_, T, H, Hkv, Dh, true, stream_, partial_,
+                                      tc ? pieces[0].n_splits : batch_splits_));
     } else if (batch_splits_ > 0) {  // B sequences, one token each: one launch
       CUDA_CK(cuda::attention_decode_batch(att_, q_, pool().k(l), pool().v(l), tables_, k_, v_, pos_,
                                            int(B), H, Hkv, Dh, batch_splits_, partial_, split_counters_, stream_));
@@ -768,18 +782,21 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     T += n;
     n_logits += s.n_logits;
   }
-  // Tensor-core decode from 1024 keys: splits of 128-256 keys, 4 per 1024 (at 4096 keys 3-6%
-  // faster per token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md).
-  if (tc_decode(pieces) && pieces[0].cache->length() + pieces[0].n > 1024)
-    pieces[0].n_splits = (pieces[0].cache->length() + pieces[0].n + 1023) / 1024 * 4;
+  if (tc_decode(pieces) && tc_decode_splits(pieces[0].cache->length() + pieces[0].n) > 0)
+    pieces[0].n_splits = tc_decode_splits(pieces[0].cache->length() + pieces[0].n);
   CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   batch_splits_ = 0;
+  batch_tc_ = false;
   const int B = int(pieces.size());
   if (B > 1 && T == B && decode_attention_ && batch_attention_) {  // one token per sequence
-    int splits = 0;
-    for (const Piece& p : pieces) splits = std::max(splits, p.n_splits);
-    if (size_t(B) * cfg_.num_heads * splits * (cfg_.head_dim + 2) <= partial_cap_) {
+    int splits = 0, longest = 0;
+    for (const Piece& p : pieces) splits = std::max(splits, p.n_splits), longest = std::max(longest, p.cache->length() + 1);
+    batch_tc_ = batch_tc_allowed_ && tc_decode_keys(longest);
+    if (batch_tc_) splits = std::max(1, tc_decode_splits(longest));
+    if (size_t(B) * cfg_.num_heads * splits * (cfg_.head_dim + 2) > partial_cap_) {
+      batch_tc_ = false;
+    } else {
       batch_splits_ = splits;
       for (int b = 0; b < B; ++b) h_tables_[b] = pieces[b].cache->table();
       CUDA_CK(cudaMemcpyAsync(tables_, h_tables_, size_t(B) * sizeof(const int32_t*),
@@ -791,7 +808,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
   // launch) run as captured graphs; a batch key is captured only once it has been seen before,
   // so one-off batch sizes stay eager (and cuBLAS has run eagerly before any capture).
   const bool decode_batch = B > 1 && batch_splits_ > 0 && n_logits == B;
-  GraphKey key{nullptr, batch_splits_, n_logits, B};
+  GraphKey key{nullptr, batch_splits_, n_logits, B, batch_tc_};
   if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces)};
   bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
   if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;

@@ -45,7 +45,8 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
 // grid (segments, T): a segment is one head (norm per head, or no norm), or with `full` all heads
 // of q or of k (norm over the whole projection, which one block must see); q's segments first.
 // A thread per rotated pair where the block allows. RMSNorm over the segment, then RoPE, in place.
-// With kv.table, k's segments also write their rotated keys and the values v to cache row pos[t].
+// With kv.table (or kv.tables: token t's own sequence's), k's segments also write their rotated keys
+// and the values v to cache row pos[t].
 // With `early`, what no kernel of the pass writes -- the position and page table (copied before
 // the pass's first kernel), the norm weights -- and what follows from them (the thread's first
 // pair's angle by powf / sincosf, its cache row) are taken before the wait for the q/k/v
@@ -60,7 +61,7 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
   const float* nw = is_q ? qn : kn;
   const size_t first = size_t(full ? 0 : (is_q ? seg : seg - q_segs)) * Dh;  // the segment in its head row
   float* v = (is_q ? q + size_t(t) * H * Dh : k + size_t(t) * Hkv * Dh) + first;
-  const bool append = !is_q && kv.table;  // then the segment's place in cache row pos[t]
+  const bool append = !is_q && (kv.table || kv.tables);  // then the segment's place in cache row pos[t]
   float p = 0.f;
   size_t cache_at = 0;
   // Pair i's rotation (sin, cos) and norm weights (wa, wb: 1 without a norm).
@@ -75,7 +76,7 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
   float sn0 = 0.f, cs0 = 1.f, wa0 = 1.f, wb0 = 1.f;  // the thread's first pair, i = threadIdx.x
   auto prepare = [&] {
     p = float(pos[t]);
-    cache_at = append ? kv_row(kv.table, pos[t]) * size_t(Hkv) * Dh + first : 0;
+    cache_at = append ? kv_row(kv.table_of(t), pos[t]) * size_t(Hkv) * Dh + first : 0;
     if (int(threadIdx.x) < pairs) pair_params(threadIdx.x, sn0, cs0, wa0, wb0);
   };
   if (early) prepare();
@@ -291,7 +292,8 @@ cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, f
 cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k_norm, bool full, const int32_t* pos,
                          int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s, KvPages append,
                          const float* v) {
-  if ((q_norm == nullptr) != (k_norm == nullptr) || Dh % 2 != 0 || (append.table && !v)) return cudaErrorInvalidValue;
+  if ((q_norm == nullptr) != (k_norm == nullptr) || Dh % 2 != 0 || ((append.table || append.tables) && !v))
+    return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   full = full && q_norm;
   const int segs = full ? 2 : H + Hkv, pairs = (full ? H : 1) * Dh / 2;

@@ -24,10 +24,14 @@ constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
 // table[pos / kKvPageRows] * kKvPageRows + pos % kKvPageRows. One page holds one tile of the
 // attention kernels at Dh 128.
 constexpr int kKvPageRows = 64;
-struct KvPages {  // one sequence in one layer's pool
+struct KvPages {  // one sequence in one layer's pool, or (tables) one token of each of T sequences
   bf16* k = nullptr;               // the layer's K pool
   bf16* v = nullptr;               // its V pool
   const int32_t* table = nullptr;  // the sequence's page table, DEVICE memory
+  // A decode batch instead: token t is the one new token of its own sequence, whose page table is
+  // tables[t] (DEVICE memory, as the tables). Taken by qk_norm_rope and attention_prefill.
+  const int32_t* const* tables = nullptr;
+  __host__ __device__ const int32_t* table_of(int t) const { return tables ? tables[t] : table; }
 };
 
 // Programmatic dependent launch for the decode kernels (gemv, gemv3, qk_norm_rope,
@@ -205,7 +209,9 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 // blocks are few, as in batch-1 decode (one tile per KV head). A dependent launch: it reads pos,
 // the page table and rows below pos[0] before waiting for the previous kernel, which may write
 // only q and the rows from pos[0] on. Deterministic. Only where attention_prefill_supported(): G
-// in 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere attention() is the fallback.
+// in 1 .. kPrefillMaxG, Dh in {64, 128}; elsewhere attention() is the fallback. With kv.tables (a
+// decode batch: token t the newest of its own sequence, over that sequence's rows 0 .. pos[t]) one
+// block per (token, KV head, split), its G query rows alone.
 //                                                                 twin: attention_causal
 constexpr int kPrefillMaxG = 8;
 bool attention_prefill_supported(int H, int Hkv, int Dh);

@@ -961,13 +961,47 @@ void check_attention_decode_batch() {
                                   part.p, cnt.p, 0));
     const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
     const bool cache_exact = dkc.get() == pool.k && dvc.get() == pool.v;
-    for (auto* d : dtables) delete d;
     int longest = 0;
     for (int p : c.pasts) longest = std::max(longest, p);
     report(fmt("attention_decode_batch B=%d longest=%d G=%d Hkv=%d Dh=%d splits=%d", B, longest, c.H / c.Hkv, c.Hkv,
                c.Dh, c.n_splits),
            rel(got, ref), 1e-5, fmt("rerun %s, caches %s", same ? "bit-identical" : "DIFFERS", cache_exact ? "exact" : "WRONG"));
     if (!same || !cache_exact) ++g_fail;
+    // The same batch on the tensor cores (attention_prefill over the tables, a block per token),
+    // the new rows already in the pool as qk_norm_rope's append leaves them: 1 split, the case's
+    // splits and 4 (splits of whole 64-key tiles; short sequences get empty ones).
+    if (cu::attention_prefill_supported(c.H, c.Hkv, c.Dh))
+      for (int splits : {1, c.n_splits, 4}) {
+        Dev<float> tpart(size_t(B) * c.H * splits * (c.Dh + 2));
+        const cu::KvPages kv{dkc.p, dvc.p, nullptr, dtp.p};
+        dout.poison();
+        CK(cu::attention_prefill(dout.p, dq.p, kv, dp.p, B, c.H, c.Hkv, c.Dh, true, 0, tpart.p, splits));
+        const auto tc = dout.get();
+        dout.poison();
+        CK(cu::attention_prefill(dout.p, dq.p, kv, dp.p, B, c.H, c.Hkv, c.Dh, true, 0, tpart.p, splits));
+        const bool tc_same = std::memcmp(tc.data(), dout.get().data(), tc.size() * 4) == 0;
+        report(fmt("attention_prefill decode batch (tables) B=%d longest=%d G=%d Hkv=%d Dh=%d splits=%d", B, longest,
+                   c.H / c.Hkv, c.Hkv, c.Dh, splits),
+               rel(tc, ref), 1e-5, fmt("rerun %s", tc_same ? "bit-identical" : "DIFFERS"));
+        if (!tc_same) ++g_fail;
+      }
+    // qk_norm_rope's append through the tables (one launch) against one launch per sequence with
+    // its own table: the same q, k and pools, bit for bit.
+    {
+      Dev<uint16_t> ka(pool.k.size()), va(pool.v.size()), kb(pool.k.size()), vb(pool.v.size());
+      for (auto* d : {&ka, &va, &kb, &vb}) CK(cudaMemset(d->p, 0, d->n * 2));
+      Dev<float> qa(q), kna(knew), qb(q), knb2(knew);
+      CK(cu::qk_norm_rope(qa.p, kna.p, nullptr, nullptr, false, dp.p, B, c.H, c.Hkv, c.Dh, 1e-6f, 10000.f, 0,
+                          cu::KvPages{ka.p, va.p, nullptr, dtp.p}, dv.p));
+      for (int b = 0; b < B; ++b)
+        CK(cu::qk_norm_rope(qb.p + size_t(b) * c.H * c.Dh, knb2.p + size_t(b) * row, nullptr, nullptr, false, dp.p + b, 1,
+                            c.H, c.Hkv, c.Dh, 1e-6f, 10000.f, 0, cu::KvPages{kb.p, vb.p, dtables[b]->p},
+                            dv.p + size_t(b) * row));
+      const bool equal = qa.get() == qb.get() && kna.get() == knb2.get() && ka.get() == kb.get() && va.get() == vb.get();
+      report(fmt("qk_norm_rope append through tables B=%d G=%d Dh=%d (= per-sequence appends)", B, c.H / c.Hkv, c.Dh),
+             equal ? 0.0 : 1.0, 0.0);
+    }
+    for (auto* d : dtables) delete d;
   }
 }
 
@@ -1398,9 +1432,9 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
          split ? fmt("tokens agree %d/%d (CPU top-2 margin %.4f at the split)", agree, steps, margin_at_split)
                : fmt("tokens agree %d/%d", agree, steps));
   if (split) ++g_fail;
-  if (variant) return;
-  check_model_batch(name, *w, *cpu, *gpu, prompt, 3);
+  check_model_batch(name, *w, *cpu, *gpu, prompt, 3);  // a variant's batches too (the tensor-core decode's)
   check_model_batch(name, *w, *cpu, *gpu, prompt, 12);
+  if (variant) return;
   if (name == "tinymix-code") check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
   if (name == "tinymix-code") check_page_pool(*w, *gpu, prompt);
 }
@@ -1498,12 +1532,16 @@ int batchtable_main(int argc, char** argv) {
     prefill_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     first[i] = int32_t(std::max_element(logits.begin(), logits.begin() + V) - logits.begin());
   }
-  struct Variant { const char *name, *moe, *min_t, *batch_attn; };
+  struct Variant { const char *name, *moe, *min_t, *batch_attn, *batch_tc; };
   // before: per-(token, k) MoE kernels to T = 8, expert GEMMs beyond, attention per sequence;
-  // grouped_from_2: the grouped MoE kernels from T = 2 (the default until 6d1688f); default: from T = 9.
-  const Variant variants[] = {{"before", "fused", "2", "0"},
-                              {"grouped_from_2", "grouped", "2", "1"},
-                              {"default", "grouped", "9", "1"}};
+  // grouped_from_2: the grouped MoE kernels from T = 2 (the default until 6d1688f); cuda_core_attn:
+  // the default's MoE kernels, batch attention never on the tensor cores (before the batched
+  // tensor-core decode); default: grouped from T = 9, attention on the tensor cores where the
+  // batch-1 rule would take them for the longest sequence.
+  const Variant variants[] = {{"before", "fused", "2", "0", "0"},
+                              {"grouped_from_2", "grouped", "2", "1", "0"},
+                              {"cuda_core_attn", "grouped", "9", "1", "0"},
+                              {"default", "grouped", "9", "1", "1"}};
   for (int B : batches) {
     std::vector<int32_t> tokens_first_variant;
     for (const Variant& v : variants) {
@@ -1511,6 +1549,7 @@ int batchtable_main(int argc, char** argv) {
       setenv("TIERMOE_CUDA_MOE", v.moe, 1);
       setenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T", v.min_t, 1);
       setenv("TIERMOE_CUDA_BATCH_ATTN", v.batch_attn, 1);
+      setenv("TIERMOE_CUDA_BATCH_TC", v.batch_tc, 1);
       std::vector<int32_t> next(first.begin(), first.begin() + B), tokens;
       std::vector<Backend::SeqStep> steps(B);
       std::vector<double> step_ms;
