@@ -18,6 +18,11 @@ namespace {
 
 constexpr int kRowWarps = 8;     // output rows per block, one warp each
 constexpr int kTokenGroup = 8;   // tokens per pass over a weight row (their sums in registers)
+// 16-byte weight loads per lane (and per row) issued together, then their dot products. 1, in this
+// form: ptxas gives the down kernel 48 registers (5 blocks of 256 threads per SM) where the
+// interleaved loop took 56 (4 blocks); 4 loads in flight took 80 / 97 registers and was slower
+// (docs/benchmarks.md, "Grouped MoE kernels: registers").
+constexpr int kLoadsPerLane = 1;
 
 // The entries tk = t * K + k of ids[TK] equal to e, into list[]; returns their number (every
 // thread). The list's order varies between launches, but each entry's result is computed alone,
@@ -44,15 +49,28 @@ __device__ void rows_times_tokens(float* s1, float* s2, const uint16_t* W1, cons
     s1[j] = s2[j] = 0.f;
   }
   if ((L & 7) == 0) {
-    for (int i = lane; i < (L >> 3); i += 32) {
-      const uint4 a = ldg16(W1 + 8 * i);
-      const uint4 b = W2 ? ldg16(W2 + 8 * i) : a;
+    const int L8 = L >> 3;
+    for (int i0 = lane; i0 < L8; i0 += 32 * kLoadsPerLane) {
+      uint4 a[kLoadsPerLane], b[kLoadsPerLane];
 #pragma unroll
-      for (int j = 0; j < kTokenGroup; ++j)
-        if (j < m) {
-          s1[j] += dot8(a, x[j] + 8 * i);
-          if (W2) s2[j] += dot8(b, x[j] + 8 * i);
+      for (int c = 0; c < kLoadsPerLane; ++c) {
+        const int i = i0 + 32 * c;
+        if (i < L8) {
+          a[c] = ldg16(W1 + 8 * i);
+          b[c] = W2 ? ldg16(W2 + 8 * i) : a[c];
         }
+      }
+#pragma unroll
+      for (int c = 0; c < kLoadsPerLane; ++c) {  // the same order of sums as one chunk at a time
+        const int i = i0 + 32 * c;
+        if (i >= L8) break;
+#pragma unroll
+        for (int j = 0; j < kTokenGroup; ++j)
+          if (j < m) {
+            s1[j] += dot8(a[c], x[j] + 8 * i);
+            if (W2) s2[j] += dot8(b[c], x[j] + 8 * i);
+          }
+      }
     }
   } else {
     for (int i = lane; i < L; i += 32) {
@@ -122,16 +140,16 @@ cudaError_t moe_grouped_gate_up(float* act, const float* h, const bf16* Wgu, con
                                 int F, int D, cudaStream_t s) {
   if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  return launch(moe_grouped_kernel<true>, dim3((F + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, act, h, Wgu,
-                ids, T * K, K, F, D);
+  return launch(moe_grouped_kernel<true>,
+                dim3((F + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, act, h, Wgu, ids, T * K, K, F, D);
 }
 
 cudaError_t moe_grouped_down(float* y, const float* act, const bf16* Wd, const int32_t* ids, int T, int K, int E,
                              int D, int F, cudaStream_t s) {
   if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  return launch(moe_grouped_kernel<false>, dim3((D + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, y, act, Wd,
-                ids, T * K, K, D, F);
+  return launch(moe_grouped_kernel<false>,
+                dim3((D + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, y, act, Wd, ids, T * K, K, D, F);
 }
 
 cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, int K, int D, cudaStream_t s) {
