@@ -88,7 +88,10 @@ import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')) if r[-1].replace(',', '').replace('.', '').isdigit()]
 tot = collections.OrderedDict()
 for r in rows:
-    name = r[4].split('(')[0].split('<')[0].replace('void ', '').replace('unnamed>::', '')
+    # ncu writes anonymous namespaces as <unnamed> (or (anonymous namespace)): dropped before the
+    # cut at the first '(' or '<', which would otherwise leave "tiermoe::" for every kernel of ours.
+    name = r[4].replace('void ', '').replace('<unnamed>::', '').replace('(anonymous namespace)::', '')
+    name = name.split('(')[0].split('<')[0]
     c, t = tot.get(name, (0, 0.0)); tot[name] = (c + 1, t + float(r[-1].replace(',', '')) / 1e3)
 s = sum(t for c, t in tot.values())
 print(f"== {sys.argv[2]}: {len(rows)} kernels, {s:.1f} us of kernel time (ncu, serialized)")
