@@ -275,8 +275,8 @@ class CudaBackend final : public Backend {
   const int32_t **tables_ = nullptr, **h_tables_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
-  // Decode attention of one sequence on the tensor cores (CudaBackendOptions::tc_decode_keys).
-  // Decode attention on the tensor cores for a sequence of `keys` keys (its longest, for a batch).
+  // Decode attention on the tensor cores (CudaBackendOptions::tc_decode_keys, tc_decode_min_group)
+  // for a sequence of `keys` keys: one sequence's, or a decode batch's longest.
   bool tc_decode_keys(int keys) const {
     return opts_.tc_decode_keys > 0 && cfg_.num_heads >= opts_.tc_decode_min_group * cfg_.num_kv_heads &&
            keys >= opts_.tc_decode_keys && cuda::attention_prefill_supported(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);

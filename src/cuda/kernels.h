@@ -29,7 +29,7 @@ struct KvPages {  // one sequence in one layer's pool, or (tables) one token of 
   bf16* v = nullptr;               // its V pool
   const int32_t* table = nullptr;  // the sequence's page table, DEVICE memory
   // A decode batch instead: token t is the one new token of its own sequence, whose page table is
-  // tables[t] (DEVICE memory, as the tables). Taken by qk_norm_rope and attention_prefill.
+  // tables[t] (T pointers in DEVICE memory, to the tables). Taken by qk_norm_rope and attention_prefill.
   const int32_t* const* tables = nullptr;
   __host__ __device__ const int32_t* table_of(int t) const { return tables ? tables[t] : table; }
 };
