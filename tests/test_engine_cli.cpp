@@ -90,7 +90,10 @@ TEST(Cli, GenerateGreedyJsonMatchesReference) {
   const auto prompt = test::ints(ref.get("short_ids"));
   const auto expected = test::ints(ref.get("short_greedy_ids"));
   std::string ids;
-  for (size_t i = 0; i < prompt.size(); ++i) ids += (i ? "," : "") + std::to_string(prompt[i]);
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (i) ids += ',';
+    ids += std::to_string(prompt[i]);
+  }
   CmdResult r = run_cli("generate " + model_flag() + " --prompt-ids " + ids + " --greedy --json --max-tokens " +
                         std::to_string(expected.size()));
   ASSERT_EQ(r.status, 0) << r.out;
