@@ -20,8 +20,6 @@ namespace tiermoe::cuda {
 // Floats of shared memory one head's rows of n splits take in merge_splits(): rounded up to 16 bytes,
 // plus 4 of slack (the rows are staged with the alignment they have in global memory).
 __host__ __device__ constexpr int merge_span(int n, int Dh) { return ((n * (Dh + 2) + 3) & ~3) + 4; }
-// Floats of shared memory merge_splits() needs to take all nh heads' rows in one chunk.
-__host__ __device__ constexpr int merge_stage_floats(int nh, int n_splits, int Dh) { return nh * merge_span(n_splits, Dh); }
 
 // Copies n floats of p (L2 only) to dst, where dst and p agree modulo 16 bytes when p is 8-byte
 // aligned (16-byte cp.async for the aligned middle, plain loads for the ends); otherwise plain loads.

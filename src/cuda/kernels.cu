@@ -351,7 +351,7 @@ cudaError_t attention_merge_splits(float* out, const float* partial, int T, int 
   if (T == 0) return cudaSuccess;
   if (n_splits < 1 || Dh < 1 || Dh > kAttnMaxDh) return cudaErrorInvalidValue;
   // 48 KB in all without an opt-in: the kernel's static Mh and scale take their share.
-  const int buf_floats = std::min(merge_stage_floats(1, n_splits, Dh), (48 * 1024 - 64) / int(sizeof(float)));
+  const int buf_floats = std::min(merge_span(n_splits, Dh), (48 * 1024 - 64) / int(sizeof(float)));
   return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, size_t(buf_floats) * sizeof(float), s, out,
                 partial, n_splits, Dh, buf_floats);
 }
