@@ -782,8 +782,8 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     T += n;
     n_logits += s.n_logits;
   }
-  if (tc_decode(pieces) && tc_decode_splits(pieces[0].cache->length() + pieces[0].n) > 0)
-    pieces[0].n_splits = tc_decode_splits(pieces[0].cache->length() + pieces[0].n);
+  if (tc_decode(pieces))
+    if (const int splits = tc_decode_splits(pieces[0].cache->length() + pieces[0].n)) pieces[0].n_splits = splits;
   CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   batch_splits_ = 0;
