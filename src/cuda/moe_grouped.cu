@@ -118,6 +118,108 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   }
 }
 
+// The same products on the tensor cores (L % 8 == 0): a warp per 16 output rows, mma.sync m16n8k16
+// with the 16 rows as A and 8 of the expert's tokens as B, kMmaGroups groups of 8 tokens per pass
+// over the rows. Why: the CUDA-core form reads every input value from L1 once per weight it
+// multiplies, so at 4-8 tokens per expert it ran at ~1.6 TB/s (docs/benchmarks.md); here a weight
+// fragment feeds one MMA per 8 tokens. Each lane loads 8 consecutive BF16 of its two rows (16
+// bytes) and 8 consecutive floats of its token per 32 columns; k slots map to columns the same way
+// for A and B (slot 2q + p -> column 8q + p, slot 8 + 2q + p -> 8q + 2 + p in the first k-step,
+// + 4 in the second), so the MMA sums the right products without any shuffle. The FP32 input is
+// split into BF16 hi + lo (two MMAs), and the accumulators are added to FP32 sums every kFoldChunks
+// chunks, as in moe_expert_gemm_bf16: FP32-level results (the tensor cores' accumulation truncates).
+constexpr int kMmaWarps = 4;    // 16 rows each: 64 rows per block
+constexpr int kMmaGroups = 2;   // groups of 8 tokens per pass over the rows
+constexpr int kFoldChunks = 4;  // chunks of 32 columns per accumulator run
+
+// The B fragments (hi, lo) of one k-step from 4 floats: b[0] = columns 0, 1 and b[1] = 2, 3.
+__device__ __forceinline__ void split_fragment(uint32_t (&hi)[2], uint32_t (&lo)[2], const float4& v) {
+  __nv_bfloat16 h[4], l[4];
+  bf16_split(v.x, h[0], l[0]);
+  bf16_split(v.y, h[1], l[1]);
+  bf16_split(v.z, h[2], l[2]);
+  bf16_split(v.w, h[3], l[3]);
+  hi[0] = pack(h[0], h[1]), hi[1] = pack(h[2], h[3]);
+  lo[0] = pack(l[0], l[1]), lo[1] = pack(l[2], l[3]);
+}
+
+// acc[g] += rows (ra, rb) of one 32-column chunk times the chunk of each token group's inputs x[g].
+__device__ __forceinline__ void mma_chunk(float (&acc)[kMmaGroups][4], const uint4& ra, const uint4& rb,
+                                          const float4 (&x)[kMmaGroups][2]) {
+  const uint32_t a0[4] = {ra.x, rb.x, ra.y, rb.y}, a1[4] = {ra.z, rb.z, ra.w, rb.w};
+#pragma unroll
+  for (int g = 0; g < kMmaGroups; ++g) {
+    uint32_t hi[2], lo[2];
+    split_fragment(hi, lo, x[g][0]);
+    mma_bf16(acc[g], a0, hi[0], hi[1]);
+    mma_bf16(acc[g], a0, lo[0], lo[1]);
+    split_fragment(hi, lo, x[g][1]);
+    mma_bf16(acc[g], a1, hi[0], hi[1]);
+    mma_bf16(acc[g], a1, lo[0], lo[1]);
+  }
+}
+
+// grid (ceil(N / (16 kMmaWarps)), E); the products of moe_grouped_kernel<GATE_UP>.
+template <bool GATE_UP>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    moe_grouped_mma_kernel(float* __restrict__ out, const float* __restrict__ in, const uint16_t* __restrict__ W,
+                           const int32_t* __restrict__ ids, int TK, int K, int N, int L) {
+  __shared__ short list[kMoeGroupedMaxTK];
+  __shared__ int count;
+  pdl_wait();
+  pdl_launch_dependents();
+  const int e = blockIdx.y;
+  const int n = collect_tokens(list, &count, ids, TK, e);
+  const int lane = threadIdx.x & 31, q = lane & 3, r0 = (blockIdx.x * kMmaWarps + (threadIdx.x >> 5)) * 16;
+  if (n == 0 || r0 >= N) return;
+  // This lane's rows r0 + lane / 4 and + 8 (rows past N read row N - 1; their results are dropped).
+  const size_t expert = size_t(e) * (GATE_UP ? 2 : 1) * N;
+  const uint16_t* wa = W + (expert + min(r0 + lane / 4, N - 1)) * L + 8 * q;
+  const uint16_t* wb = W + (expert + min(r0 + lane / 4 + 8, N - 1)) * L + 8 * q;
+  const size_t up = GATE_UP ? size_t(N) * L : 0;  // the up rows, N rows after the gate rows
+  const int div = GATE_UP ? K : 1;
+  for (int j0 = 0; j0 < n; j0 += 8 * kMmaGroups) {
+    const float* x[kMmaGroups];  // this lane's token of each group (B column lane / 4), or null
+#pragma unroll
+    for (int g = 0; g < kMmaGroups; ++g) {
+      const int j = j0 + 8 * g + lane / 4;
+      x[g] = j < n ? in + size_t(list[j] / div) * L + 8 * q : nullptr;
+    }
+    float s1[kMmaGroups][4] = {}, s2[kMmaGroups][4] = {};
+    for (int c0 = 0; c0 < L; c0 += 32 * kFoldChunks) {
+      float a1[kMmaGroups][4] = {}, a2[kMmaGroups][4] = {};
+      const int c_end = min(L, c0 + 32 * kFoldChunks);
+      for (int c = c0; c < c_end; c += 32) {
+        const bool in_row = c + 8 * q < L;  // L % 8 == 0: the lane's 8 columns are all in or all out
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        const uint4 ga = in_row ? ldg16(wa + c) : zero, gb = in_row ? ldg16(wb + c) : zero;
+        const uint4 ua = GATE_UP && in_row ? ldg16(wa + up + c) : zero, ub = GATE_UP && in_row ? ldg16(wb + up + c) : zero;
+        float4 xs[kMmaGroups][2];
+#pragma unroll
+        for (int g = 0; g < kMmaGroups; ++g) {
+          const bool have = x[g] && in_row;
+          xs[g][0] = have ? __ldg(reinterpret_cast<const float4*>(x[g] + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+          xs[g][1] = have ? __ldg(reinterpret_cast<const float4*>(x[g] + c + 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        mma_chunk(a1, ga, gb, xs);
+        if (GATE_UP) mma_chunk(a2, ua, ub, xs);
+      }
+#pragma unroll
+      for (int g = 0; g < kMmaGroups; ++g)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s1[g][i] += a1[g][i], s2[g][i] += a2[g][i];
+    }
+    // Lane holds rows r0 + lane / 4 (i < 2) and + 8 (i >= 2), tokens 2 q and 2 q + 1 of each group.
+#pragma unroll
+    for (int g = 0; g < kMmaGroups; ++g)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + lane / 4 + (i >= 2 ? 8 : 0), j = j0 + 8 * g + 2 * q + (i & 1);
+        if (r < N && j < n) out[size_t(list[j]) * N + r] = GATE_UP ? silu(s1[g][i]) * s2[g][i] : s1[g][i];
+      }
+  }
+}
+
 // x[t, d] += sum over k, in k order, of weights[t, k] * y[t * K + k, d].
 __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restrict__ y,
                                    const float* __restrict__ weights, int T, int K, int D) {
@@ -134,22 +236,35 @@ __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restric
 
 bool grouped_shape_ok(int T, int K, int E) { return T >= 0 && K >= 1 && T * K <= kMoeGroupedMaxTK && E >= 1 && E <= 65535; }
 
+int g_grouped_variant = 0;
+
+// The products of one grouped launch: on the tensor cores where rows are whole 16-byte loads
+// (L % 8 == 0) unless variant 1 pins the CUDA cores.
+template <bool GATE_UP>
+cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int32_t* ids, int T, int K, int E, int N,
+                           int L, cudaStream_t s) {
+  if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  if (g_grouped_variant == 0 && L % 8 == 0)
+    return launch(moe_grouped_mma_kernel<GATE_UP>, dim3((N + 16 * kMmaWarps - 1) / (16 * kMmaWarps), E),
+                  kMmaWarps * 32, 0, s, out, in, W, ids, T * K, K, N, L);
+  return launch(moe_grouped_kernel<GATE_UP>, dim3((N + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, out,
+                in, W, ids, T * K, K, N, L);
+}
+
 }  // namespace
+
+int moe_grouped_variants() { return 2; }
+void set_moe_grouped_variant(int v) { g_grouped_variant = v >= 0 && v < moe_grouped_variants() ? v : 0; }
 
 cudaError_t moe_grouped_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int E,
                                 int F, int D, cudaStream_t s) {
-  if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
-  if (T == 0) return cudaSuccess;
-  return launch(moe_grouped_kernel<true>,
-                dim3((F + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, act, h, Wgu, ids, T * K, K, F, D);
+  return grouped_launch<true>(act, h, Wgu, ids, T, K, E, F, D, s);
 }
 
 cudaError_t moe_grouped_down(float* y, const float* act, const bf16* Wd, const int32_t* ids, int T, int K, int E,
                              int D, int F, cudaStream_t s) {
-  if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
-  if (T == 0) return cudaSuccess;
-  return launch(moe_grouped_kernel<false>,
-                dim3((D + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, y, act, Wd, ids, T * K, K, D, F);
+  return grouped_launch<false>(y, act, Wd, ids, T, K, E, D, F, s);
 }
 
 cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, int K, int D, cudaStream_t s) {

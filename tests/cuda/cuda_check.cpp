@@ -541,24 +541,31 @@ void check_moe_routed() {
   }
 }
 
-// The grouped kernels: T up to 64, experts with many tokens (several passes of a token group),
-// with none, odd D and F (the scalar path).
+// The grouped kernels under each variant: T up to 64, experts with many tokens (several passes of
+// a token group), with none, odd D and F (the CUDA cores' scalar path).
 void check_moe_grouped() {
   for (MoeCase c : {MoeCase{1, 8, 2, 64, 32}, MoeCase{2, 256, 8, 64, 40}, MoeCase{5, 16, 4, 100, 36},
                     MoeCase{8, 64, 8, 512, 256}, MoeCase{17, 8, 2, 48, 24, true}, MoeCase{32, 128, 8, 256, 192},
                     MoeCase{64, 32, 8, 1024, 512}, MoeCase{64, 8, 8, 64, 32}, MoeCase{64, 256, 8, 128, 96, true},
-                    MoeCase{40, 8, 2, 4096, 1024}, MoeCase{3, 1, 1, 33, 17}}) {
+                    MoeCase{40, 8, 2, 4096, 1024}, MoeCase{3, 1, 1, 33, 17},
+                    // the tensor cores' row tiles cut by N and chunks cut by L; a Mixtral-long down row
+                    MoeCase{9, 16, 4, 200, 72}, MoeCase{12, 2, 1, 256, 14336}}) {
     const MoeData m = moe_case(c);
     Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dy(size_t(c.T) * c.K * c.D), dwt(m.w);
     Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids);
-    report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s", c.T, c.E, c.K, c.D, c.F, c.same_experts ? " same experts" : ""),
-               c, m, [&](float* x) {
-                 dact.poison(), dy.poison();
-                 CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
-                 CK(cu::moe_grouped_down(dy.p, dact.p, ddn.p, di.p, c.T, c.K, c.E, c.D, c.F, 0));
-                 CK(cu::moe_combine(x, dy.p, dwt.p, c.T, c.K, c.D, 0));
-               });
+    for (int v = 0; v < cu::moe_grouped_variants(); ++v) {  // tensor cores (where L % 8 == 0), CUDA cores
+      cu::set_moe_grouped_variant(v);
+      report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s variant %d", c.T, c.E, c.K, c.D, c.F,
+                     c.same_experts ? " same experts" : "", v),
+                 c, m, [&](float* x) {
+                   dact.poison(), dy.poison();
+                   CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
+                   CK(cu::moe_grouped_down(dy.p, dact.p, ddn.p, di.p, c.T, c.K, c.E, c.D, c.F, 0));
+                   CK(cu::moe_combine(x, dy.p, dwt.p, c.T, c.K, c.D, 0));
+                 });
+    }
+    cu::set_moe_grouped_variant(0);
   }
   // Too many (token, k) entries for the shared routing list: refused, nothing launched.
   const bool refused = cu::moe_grouped_gate_up(nullptr, nullptr, nullptr, nullptr, 65, 8, 64, 32, 64, 0) ==
