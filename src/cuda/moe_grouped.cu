@@ -118,22 +118,35 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   }
 }
 
-// The same products on the tensor cores (L % 8 == 0): a warp per 16 output rows, mma.sync m16n8k16
-// with the 16 rows as A and 8 of the expert's tokens as B, kMmaGroups groups of 8 tokens per pass
-// over the rows. Why: the CUDA-core form reads every input value from L1 once per weight it
-// multiplies, so at 4-8 tokens per expert it ran at ~1.6 TB/s (docs/benchmarks.md); here a weight
-// fragment feeds one MMA per 8 tokens. Each lane loads 8 consecutive BF16 of its two rows (16
-// bytes) and 8 consecutive floats of its token per 32 columns; k slots map to columns the same way
-// for A and B (slot 2q + p -> column 8q + p, slot 8 + 2q + p -> 8q + 2 + p in the first k-step,
-// + 4 in the second), so the MMA sums the right products without any shuffle. The FP32 input is
-// split into BF16 hi + lo (two MMAs), and the accumulators are added to FP32 sums every kFoldChunks
-// chunks, as in moe_expert_gemm_bf16: FP32-level results (the tensor cores' accumulation truncates).
-constexpr int kMmaWarps = 4;    // 16 rows each: 64 rows per block
-constexpr int kMmaGroups = 2;   // groups of 8 tokens per pass over the rows
-constexpr int kFoldChunks = 4;  // chunks of 32 columns per accumulator run
+// The same products on the tensor cores (L % 8 == 0): a block per 16 output rows, mma.sync
+// m16n8k16 with the 16 rows as A and 8 of the expert's tokens as B, up to kMmaGroups groups of 8
+// tokens per pass over the rows. Why: the CUDA-core form reads every input value from L1 once per
+// weight it multiplies, so at 4-8 tokens per expert it ran at ~1.6 TB/s (docs/benchmarks.md); here
+// a weight fragment feeds one MMA per 8 tokens. The block's kMmaWarps warps split the columns
+// (warp w takes chunks w, w + kMmaWarps, ...: short dependent chains, many loads in flight) and sum
+// their partial tiles through shared memory in warp order (deterministic). Each lane loads 8
+// consecutive BF16 of its two rows (16 bytes) and 8 consecutive floats of its token per 32-column
+// chunk; k slots map to columns the same way for A and B (slot 2q + p -> column 8q + p, slot
+// 8 + 2q + p -> 8q + 2 + p in the first k-step, + 4 in the second), so the MMA sums the right
+// products without a shuffle. The FP32 input is split into BF16 hi + lo (two MMAs), and the
+// accumulators are added to FP32 sums every kFoldChunks chunks, as in moe_expert_gemm_bf16:
+// FP32-level results (the tensor cores' accumulation truncates).
+constexpr int kMmaWarps = 8;    // warps per block, splitting the columns of its 16 rows
+constexpr int kMmaGroups = 2;   // groups of 8 tokens per pass over the rows, at most
+constexpr int kFoldChunks = 4;  // a warp's chunks of 32 columns per accumulator run
 
-// The B fragments (hi, lo) of one k-step from 4 floats: b[0] = columns 0, 1 and b[1] = 2, 3.
-__device__ __forceinline__ void split_fragment(uint32_t (&hi)[2], uint32_t (&lo)[2], const float4& v) {
+// One 32-column chunk of a lane's weights: rows a and b (lane / 4 and + 8), gate (or down) and up.
+struct WeightChunk { uint4 ga, gb, ua, ub; };
+
+template <bool GATE_UP>
+__device__ __forceinline__ WeightChunk load_chunk(const uint16_t* wa, const uint16_t* wb, size_t up, int c, bool in) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  return {in ? ldg16(wa + c) : zero, in ? ldg16(wb + c) : zero, GATE_UP && in ? ldg16(wa + up + c) : zero,
+          GATE_UP && in ? ldg16(wb + up + c) : zero};
+}
+
+// The B fragments (hi, lo) of one k-step from 4 floats: [0] = columns 0, 1 and [1] = 2, 3.
+__device__ __forceinline__ void split_fragment(uint32_t* hi, uint32_t* lo, const float4& v) {
   __nv_bfloat16 h[4], l[4];
   bf16_split(v.x, h[0], l[0]);
   bf16_split(v.y, h[1], l[1]);
@@ -143,80 +156,106 @@ __device__ __forceinline__ void split_fragment(uint32_t (&hi)[2], uint32_t (&lo)
   lo[0] = pack(l[0], l[1]), lo[1] = pack(l[2], l[3]);
 }
 
-// acc[g] += rows (ra, rb) of one 32-column chunk times the chunk of each token group's inputs x[g].
-__device__ __forceinline__ void mma_chunk(float (&acc)[kMmaGroups][4], const uint4& ra, const uint4& rb,
-                                          const float4 (&x)[kMmaGroups][2]) {
+// acc[g] += rows (ra, rb) of one chunk times group g's fragments (k-step s: hi[g][s], lo[g][s]).
+template <int G>
+__device__ __forceinline__ void mma_chunk(float (&acc)[G][4], const uint4& ra, const uint4& rb,
+                                          const uint32_t (&hi)[G][2][2], const uint32_t (&lo)[G][2][2]) {
   const uint32_t a0[4] = {ra.x, rb.x, ra.y, rb.y}, a1[4] = {ra.z, rb.z, ra.w, rb.w};
 #pragma unroll
-  for (int g = 0; g < kMmaGroups; ++g) {
-    uint32_t hi[2], lo[2];
-    split_fragment(hi, lo, x[g][0]);
-    mma_bf16(acc[g], a0, hi[0], hi[1]);
-    mma_bf16(acc[g], a0, lo[0], lo[1]);
-    split_fragment(hi, lo, x[g][1]);
-    mma_bf16(acc[g], a1, hi[0], hi[1]);
-    mma_bf16(acc[g], a1, lo[0], lo[1]);
+  for (int g = 0; g < G; ++g) {
+    mma_bf16(acc[g], a0, hi[g][0][0], hi[g][0][1]);
+    mma_bf16(acc[g], a0, lo[g][0][0], lo[g][0][1]);
+    mma_bf16(acc[g], a1, hi[g][1][0], hi[g][1][1]);
+    mma_bf16(acc[g], a1, lo[g][1][0], lo[g][1][1]);
   }
 }
 
-// grid (ceil(N / (16 kMmaWarps)), E); the products of moe_grouped_kernel<GATE_UP>.
+// One pass: the block's 16 rows times the tokens list[j0 .. j0 + 8 G) (those below n). Each warp
+// loads its next chunk's weights before this chunk's MMAs (two chunks in flight per lane). red:
+// [kMmaWarps][32 lanes][2 G 4] floats of shared memory for the sum over warps (half without up).
+template <bool GATE_UP, int G>
+__device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* __restrict__ in, const uint16_t* wa,
+                                         const uint16_t* wb, size_t up, const short* list, int j0, int n, int div,
+                                         int N, int L, int r0, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
+  const float* x[G];  // this lane's token of each group (B column lane / 4), or null
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int j = j0 + 8 * g + lane / 4;
+    x[g] = j < n ? in + size_t(list[j] / div) * L + 8 * q : nullptr;
+  }
+  float s[2][G][4] = {}, a1[G][4] = {}, a2[G][4] = {};  // s: gate (or down) and up sums
+  constexpr int kStride = 32 * kMmaWarps;  // columns between a warp's chunks
+  WeightChunk w = load_chunk<GATE_UP>(wa, wb, up, 32 * warp, 32 * warp + 8 * q < L);
+  for (int c = 32 * warp, chunk = 1; c < L; c += kStride, ++chunk) {
+    const WeightChunk next = load_chunk<GATE_UP>(wa, wb, up, c + kStride, c + kStride + 8 * q < L);
+    uint32_t hi[G][2][2], lo[G][2][2];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const bool have = x[g] && c + 8 * q < L;  // L % 8 == 0: the lane's 8 columns are all in or all out
+      const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+      split_fragment(hi[g][0], lo[g][0], have ? __ldg(reinterpret_cast<const float4*>(x[g] + c)) : zero);
+      split_fragment(hi[g][1], lo[g][1], have ? __ldg(reinterpret_cast<const float4*>(x[g] + c + 4)) : zero);
+    }
+    mma_chunk<G>(a1, w.ga, w.gb, hi, lo);
+    if (GATE_UP) mma_chunk<G>(a2, w.ua, w.ub, hi, lo);
+    if (chunk % kFoldChunks == 0 || c + kStride >= L) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[0][g][i] += a1[g][i], s[1][g][i] += a2[g][i], a1[g][i] = a2[g][i] = 0.f;
+    }
+    w = next;
+  }
+  constexpr int kPer = (GATE_UP ? 2 : 1) * G * 4;  // floats per lane: s[0] (and s[1])
+  float* mine = red + (warp * 32 + lane) * kPer;
+#pragma unroll
+  for (int v = 0; v < kPer; ++v) mine[v] = (&s[0][0][0])[v];
+  __syncthreads();
+  if (warp == 0) {  // warp 0's lanes sum the warps' tiles in warp order and write them
+#pragma unroll
+    for (int v = 0; v < kPer; ++v) {
+      float sum = mine[v];
+      for (int k = 1; k < kMmaWarps; ++k) sum += red[(k * 32 + lane) * kPer + v];
+      (&s[0][0][0])[v] = sum;
+    }
+    // The lane holds rows r0 + lane / 4 (i < 2) and + 8 (i >= 2), tokens 2 q and 2 q + 1 of each group.
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + lane / 4 + (i >= 2 ? 8 : 0), j = j0 + 8 * g + 2 * q + (i & 1);
+        if (r < N && j < n) out[size_t(list[j]) * N + r] = GATE_UP ? silu(s[0][g][i]) * s[1][g][i] : s[0][g][i];
+      }
+  }
+  __syncthreads();  // red is free for the next pass
+}
+
+// grid (ceil(N / 16), E), kMmaWarps warps; the products of moe_grouped_kernel<GATE_UP>.
 template <bool GATE_UP>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     moe_grouped_mma_kernel(float* __restrict__ out, const float* __restrict__ in, const uint16_t* __restrict__ W,
                            const int32_t* __restrict__ ids, int TK, int K, int N, int L) {
   __shared__ short list[kMoeGroupedMaxTK];
   __shared__ int count;
+  __shared__ float red[kMmaWarps * 32 * 2 * kMmaGroups * 4];
   pdl_wait();
   pdl_launch_dependents();
   const int e = blockIdx.y;
   const int n = collect_tokens(list, &count, ids, TK, e);
-  const int lane = threadIdx.x & 31, q = lane & 3, r0 = (blockIdx.x * kMmaWarps + (threadIdx.x >> 5)) * 16;
-  if (n == 0 || r0 >= N) return;
+  const int lane = threadIdx.x & 31, r0 = blockIdx.x * 16;
+  if (n == 0) return;
   // This lane's rows r0 + lane / 4 and + 8 (rows past N read row N - 1; their results are dropped).
   const size_t expert = size_t(e) * (GATE_UP ? 2 : 1) * N;
-  const uint16_t* wa = W + (expert + min(r0 + lane / 4, N - 1)) * L + 8 * q;
-  const uint16_t* wb = W + (expert + min(r0 + lane / 4 + 8, N - 1)) * L + 8 * q;
+  const uint16_t* wa = W + (expert + min(r0 + lane / 4, N - 1)) * L + 8 * (lane & 3);
+  const uint16_t* wb = W + (expert + min(r0 + lane / 4 + 8, N - 1)) * L + 8 * (lane & 3);
   const size_t up = GATE_UP ? size_t(N) * L : 0;  // the up rows, N rows after the gate rows
   const int div = GATE_UP ? K : 1;
-  for (int j0 = 0; j0 < n; j0 += 8 * kMmaGroups) {
-    const float* x[kMmaGroups];  // this lane's token of each group (B column lane / 4), or null
-#pragma unroll
-    for (int g = 0; g < kMmaGroups; ++g) {
-      const int j = j0 + 8 * g + lane / 4;
-      x[g] = j < n ? in + size_t(list[j] / div) * L + 8 * q : nullptr;
-    }
-    float s1[kMmaGroups][4] = {}, s2[kMmaGroups][4] = {};
-    for (int c0 = 0; c0 < L; c0 += 32 * kFoldChunks) {
-      float a1[kMmaGroups][4] = {}, a2[kMmaGroups][4] = {};
-      const int c_end = min(L, c0 + 32 * kFoldChunks);
-      for (int c = c0; c < c_end; c += 32) {
-        const bool in_row = c + 8 * q < L;  // L % 8 == 0: the lane's 8 columns are all in or all out
-        const uint4 zero = make_uint4(0, 0, 0, 0);
-        const uint4 ga = in_row ? ldg16(wa + c) : zero, gb = in_row ? ldg16(wb + c) : zero;
-        const uint4 ua = GATE_UP && in_row ? ldg16(wa + up + c) : zero, ub = GATE_UP && in_row ? ldg16(wb + up + c) : zero;
-        float4 xs[kMmaGroups][2];
-#pragma unroll
-        for (int g = 0; g < kMmaGroups; ++g) {
-          const bool have = x[g] && in_row;
-          xs[g][0] = have ? __ldg(reinterpret_cast<const float4*>(x[g] + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
-          xs[g][1] = have ? __ldg(reinterpret_cast<const float4*>(x[g] + c + 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        mma_chunk(a1, ga, gb, xs);
-        if (GATE_UP) mma_chunk(a2, ua, ub, xs);
-      }
-#pragma unroll
-      for (int g = 0; g < kMmaGroups; ++g)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s1[g][i] += a1[g][i], s2[g][i] += a2[g][i];
-    }
-    // Lane holds rows r0 + lane / 4 (i < 2) and + 8 (i >= 2), tokens 2 q and 2 q + 1 of each group.
-#pragma unroll
-    for (int g = 0; g < kMmaGroups; ++g)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = r0 + lane / 4 + (i >= 2 ? 8 : 0), j = j0 + 8 * g + 2 * q + (i & 1);
-        if (r < N && j < n) out[size_t(list[j]) * N + r] = GATE_UP ? silu(s1[g][i]) * s2[g][i] : s1[g][i];
-      }
+  for (int j0 = 0; j0 < n; j0 += 8 * kMmaGroups) {  // one group when 8 tokens or fewer are left
+    if (n - j0 > 8)
+      mma_pass<GATE_UP, kMmaGroups>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
+    else
+      mma_pass<GATE_UP, 1>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
   }
 }
 
@@ -246,8 +285,8 @@ cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int
   if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   if (g_grouped_variant == 0 && L % 8 == 0)
-    return launch(moe_grouped_mma_kernel<GATE_UP>, dim3((N + 16 * kMmaWarps - 1) / (16 * kMmaWarps), E),
-                  kMmaWarps * 32, 0, s, out, in, W, ids, T * K, K, N, L);
+    return launch(moe_grouped_mma_kernel<GATE_UP>, dim3((N + 15) / 16, E), kMmaWarps * 32, 0, s, out, in, W, ids,
+                  T * K, K, N, L);
   return launch(moe_grouped_kernel<GATE_UP>, dim3((N + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, out,
                 in, W, ids, T * K, K, N, L);
 }
