@@ -1,7 +1,8 @@
 // Grouped MoE for decode batches (kernels.h: moe_grouped_gate_up, moe_grouped_down, moe_combine).
 // Why: with B tokens each picking K experts, the per-(token, k) kernels read an expert's rows once
 // per token that picked it; here one block per (expert, tile of output rows) reads its rows once
-// for all of that expert's tokens. The block finds its tokens itself by scanning the routing table
+// for all of that expert's tokens, on the tensor cores (moe_grouped_mma_kernel) or, for rows that
+// are not whole 16-byte loads, on the CUDA cores (moe_grouped_kernel). The block finds its tokens itself by scanning the routing table
 // ids[T, K] into shared memory (no sort, no padding, no host sync) and leaves at once when the
 // expert has none. The down projection writes one row per (token, k) to a scratch buffer and a
 // small pass sums over k in k order: deterministic, unlike atomics into x whose sum order would
@@ -209,19 +210,18 @@ __device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* _
     }
     w = next;
   }
-  constexpr int kPer = (GATE_UP ? 2 : 1) * G * 4;  // floats per lane: s[0] (and s[1])
-  float* mine = red + (warp * 32 + lane) * kPer;
+  if constexpr (SPLIT > 1) {  // part 0 sums the tile's parts in part order
+    constexpr int kPer = (GATE_UP ? 2 : 1) * G * 4;  // floats per lane: s[0] (and s[1])
+    float* mine = red + (warp * 32 + lane) * kPer;
 #pragma unroll
-  for (int v = 0; v < kPer; ++v) mine[v] = (&s[0][0][0])[v];
-  __syncthreads();
-  if (part == 0) {  // part 0's lanes sum the tile's parts in order and write them
+    for (int v = 0; v < kPer; ++v) mine[v] = (&s[0][0][0])[v];
+    __syncthreads();
+    if (part == 0)
 #pragma unroll
-    for (int v = 0; v < kPer; ++v) {
-      float sum = mine[v];
-      for (int k = 1; k < SPLIT; ++k) sum += red[((warp + k) * 32 + lane) * kPer + v];
-      (&s[0][0][0])[v] = sum;
-    }
-    // The lane holds rows r0 + lane / 4 (i < 2) and + 8 (i >= 2), tokens 2 q and 2 q + 1 of each group.
+      for (int v = 0; v < kPer; ++v)
+        for (int k = 1; k < SPLIT; ++k) (&s[0][0][0])[v] += red[((warp + k) * 32 + lane) * kPer + v];
+  }
+  if (part == 0)  // the lane holds rows r0 + lane / 4 (i < 2) and + 8 (i >= 2), tokens 2 q, 2 q + 1 of each group
 #pragma unroll
     for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -229,18 +229,17 @@ __device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* _
         const int r = r0 + lane / 4 + (i >= 2 ? 8 : 0), j = j0 + 8 * g + 2 * q + (i & 1);
         if (r < N && j < n) out[size_t(list[j]) * N + r] = GATE_UP ? silu(s[0][g][i]) * s[1][g][i] : s[0][g][i];
       }
-  }
-  __syncthreads();  // red is free for the next pass
+  if constexpr (SPLIT > 1) __syncthreads();  // red is free for the next pass
 }
 
 // grid (ceil(N / (16 kMmaWarps / SPLIT)), E), kMmaWarps warps; the products of moe_grouped_kernel<GATE_UP>.
-template <bool GATE_UP, int SPLIT>
+template <bool GATE_UP, int SPLIT, int GROUPS>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     moe_grouped_mma_kernel(float* __restrict__ out, const float* __restrict__ in, const uint16_t* __restrict__ W,
                            const int32_t* __restrict__ ids, int TK, int K, int N, int L) {
   __shared__ short list[kMoeGroupedMaxTK];
   __shared__ int count;
-  __shared__ float red[kMmaWarps * 32 * 2 * kMmaGroups * 4];
+  __shared__ float red[kMmaWarps * 32 * 2 * GROUPS * 4];
   pdl_wait();
   pdl_launch_dependents();
   const int e = blockIdx.y;
@@ -254,9 +253,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const uint16_t* wb = W + (expert + min(r0 + lane / 4 + 8, N - 1)) * L + 8 * (lane & 3);
   const size_t up = GATE_UP ? size_t(N) * L : 0;  // the up rows, N rows after the gate rows
   const int div = GATE_UP ? K : 1;
-  for (int j0 = 0; j0 < n; j0 += 8 * kMmaGroups) {  // one group when 8 tokens or fewer are left
-    if (n - j0 > 8)
-      mma_pass<GATE_UP, kMmaGroups, SPLIT>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
+  for (int j0 = 0; j0 < n; j0 += 8 * GROUPS) {  // one group when 8 tokens or fewer are left
+    if (GROUPS > 1 && n - j0 > 8)
+      mma_pass<GATE_UP, GROUPS, SPLIT>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
     else
       mma_pass<GATE_UP, 1, SPLIT>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
   }
@@ -279,13 +278,16 @@ __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restric
 bool grouped_shape_ok(int T, int K, int E) { return T >= 0 && K >= 1 && T * K <= kMoeGroupedMaxTK && E >= 1 && E <= 65535; }
 
 int g_grouped_variant = 0;
-int g_split_gate_up = 8, g_split_down = 8;  // warps per row tile on the tensor cores (A/B: set_moe_grouped_split)
+// Warps per row tile on the tensor cores (A/B: set_moe_grouped_split). 2 and 2 was the fastest of
+// 8 / 4 / 2 / 1 at B = 32 and 64 on both bench shapes (docs/benchmarks.md, "Grouped MoE on the tensor cores").
+int g_split_gate_up = 2, g_split_down = 2;
+int g_groups = kMmaGroups;  // token groups per pass at most (A/B: 1 at split 2)
 
-template <bool GATE_UP, int SPLIT>
+template <bool GATE_UP, int SPLIT, int GROUPS = kMmaGroups>
 cudaError_t mma_launch(float* out, const float* in, const bf16* W, const int32_t* ids, int T, int K, int E, int N,
                        int L, cudaStream_t s) {
   constexpr int rows = 16 * kMmaWarps / SPLIT;
-  return launch(moe_grouped_mma_kernel<GATE_UP, SPLIT>, dim3((N + rows - 1) / rows, E), kMmaWarps * 32, 0, s, out, in,
+  return launch(moe_grouped_mma_kernel<GATE_UP, SPLIT, GROUPS>, dim3((N + rows - 1) / rows, E), kMmaWarps * 32, 0, s, out, in,
                 W, ids, T * K, K, N, L);
 }
 
@@ -298,7 +300,9 @@ cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int
   if (T == 0) return cudaSuccess;
   if (g_grouped_variant == 0 && L % 8 == 0) {
     const int split = GATE_UP ? g_split_gate_up : g_split_down;
-    return split == 2   ? mma_launch<GATE_UP, 2>(out, in, W, ids, T, K, E, N, L, s)
+    if (g_groups == 1 && split == 2) return mma_launch<GATE_UP, 2, 1>(out, in, W, ids, T, K, E, N, L, s);
+    return split == 1   ? mma_launch<GATE_UP, 1>(out, in, W, ids, T, K, E, N, L, s)
+           : split == 2 ? mma_launch<GATE_UP, 2>(out, in, W, ids, T, K, E, N, L, s)
            : split == 4 ? mma_launch<GATE_UP, 4>(out, in, W, ids, T, K, E, N, L, s)
                         : mma_launch<GATE_UP, 8>(out, in, W, ids, T, K, E, N, L, s);
   }
@@ -310,8 +314,9 @@ cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int
 
 int moe_grouped_variants() { return 2; }
 void set_moe_grouped_variant(int v) { g_grouped_variant = v >= 0 && v < moe_grouped_variants() ? v : 0; }
+void set_moe_grouped_groups(int groups) { g_groups = groups == 1 ? 1 : kMmaGroups; }
 void set_moe_grouped_split(int gate_up, int down) {
-  auto ok = [](int v) { return v == 2 || v == 4 ? v : 8; };
+  auto ok = [](int v) { return v == 1 || v == 2 || v == 4 ? v : 8; };
   g_split_gate_up = ok(gate_up), g_split_down = ok(down);
 }
 

@@ -554,14 +554,16 @@ void check_moe_grouped() {
     Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dy(size_t(c.T) * c.K * c.D), dwt(m.w);
     Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids);
-    // tensor cores (where L % 8 == 0) with 8, 4 and 2 warps per row tile (gate/up and down), CUDA cores
-    struct V { int variant, split_gate_up, split_down; };
-    for (V v : {V{0, 8, 8}, V{0, 4, 2}, V{0, 2, 4}, V{1, 8, 8}}) {
+    // tensor cores (where L % 8 == 0) with 8, 4, 2 and 1 warps per row tile (gate/up and down), CUDA cores
+    struct V { int variant, split_gate_up, split_down, groups; };
+    for (V v : {V{0, 2, 2, 2}, V{0, 2, 2, 1}, V{0, 8, 4, 2}, V{0, 1, 8, 2}, V{0, 4, 1, 2}, V{1, 2, 2, 2}}) {
       cu::set_moe_grouped_variant(v.variant);
       cu::set_moe_grouped_split(v.split_gate_up, v.split_down);
+      cu::set_moe_grouped_groups(v.groups);
       report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s %s", c.T, c.E, c.K, c.D, c.F,
                      c.same_experts ? " same experts" : "",
-                     v.variant ? "CUDA cores" : fmt("MMA split %d,%d", v.split_gate_up, v.split_down).c_str()),
+                     v.variant ? "CUDA cores"
+                               : fmt("MMA split %d,%d groups %d", v.split_gate_up, v.split_down, v.groups).c_str()),
                  c, m, [&](float* x) {
                    dact.poison(), dy.poison();
                    CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
@@ -570,7 +572,8 @@ void check_moe_grouped() {
                  });
     }
     cu::set_moe_grouped_variant(0);
-    cu::set_moe_grouped_split(8, 8);
+    cu::set_moe_grouped_split(2, 2);
+    cu::set_moe_grouped_groups(2);
   }
   // Too many (token, k) entries for the shared routing list: refused, nothing launched.
   const bool refused = cu::moe_grouped_gate_up(nullptr, nullptr, nullptr, nullptr, 65, 8, 64, 32, 64, 0) ==
@@ -1544,16 +1547,19 @@ int batchtable_main(int argc, char** argv) {
     prefill_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     first[i] = int32_t(std::max_element(logits.begin(), logits.begin() + V) - logits.begin());
   }
-  struct Variant { const char *name, *moe, *min_t, *batch_attn, *batch_tc; };
+  struct Variant { const char *name, *moe, *min_t, *batch_attn, *batch_tc, *grouped_mma; };
   // before: per-(token, k) MoE kernels to T = 8, expert GEMMs beyond, attention per sequence;
   // grouped_from_2: the grouped MoE kernels from T = 2 (the default until 6d1688f); cuda_core_attn:
   // the default's MoE kernels, batch attention never on the tensor cores (before the batched
-  // tensor-core decode); default: grouped from T = 9, attention on the tensor cores where the
-  // batch-1 rule would take them for the longest sequence.
-  const Variant variants[] = {{"before", "fused", "2", "0", "0"},
-                              {"grouped_from_2", "grouped", "2", "1", "0"},
-                              {"cuda_core_attn", "grouped", "9", "1", "0"},
-                              {"default", "grouped", "9", "1", "1"}};
+  // tensor-core decode); grouped_cuda_cores: the default with the grouped MoE kernels on the CUDA
+  // cores (before they moved to the tensor cores); default: grouped from T = 9 on the tensor
+  // cores, attention on the tensor cores where the batch-1 rule would take them for the longest
+  // sequence.
+  const Variant variants[] = {{"before", "fused", "2", "0", "0", "1"},
+                              {"grouped_from_2", "grouped", "2", "1", "0", "1"},
+                              {"cuda_core_attn", "grouped", "9", "1", "0", "1"},
+                              {"grouped_cuda_cores", "grouped", "9", "1", "1", "0"},
+                              {"default", "grouped", "9", "1", "1", "1"}};
   for (int B : batches) {
     std::vector<int32_t> tokens_first_variant;
     for (const Variant& v : variants) {
@@ -1562,6 +1568,7 @@ int batchtable_main(int argc, char** argv) {
       setenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T", v.min_t, 1);
       setenv("TIERMOE_CUDA_BATCH_ATTN", v.batch_attn, 1);
       setenv("TIERMOE_CUDA_BATCH_TC", v.batch_tc, 1);
+      setenv("TIERMOE_CUDA_GROUPED_MMA", v.grouped_mma, 1);
       std::vector<int32_t> next(first.begin(), first.begin() + B), tokens;
       std::vector<Backend::SeqStep> steps(B);
       std::vector<double> step_ms;
