@@ -108,10 +108,6 @@ class CudaBackend final : public Backend {
     cuda::set_rope_early(!(rope_early && rope_early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_GROUPED_GROUPS")) cuda::set_moe_grouped_groups(std::atoi(e));
-    if (const char* e = std::getenv("TIERMOE_CUDA_GROUPED_SPLIT")) {  // "gate_up,down" warps per row tile
-      const char* comma = std::strchr(e, ',');
-      cuda::set_moe_grouped_split(std::atoi(e), comma ? std::atoi(comma + 1) : std::atoi(e));
-    }
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV3_ROWS")) cuda::set_gemv3_rows(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) opts_.tc_decode_keys = std::max(0, std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC_MIN_G")) opts_.tc_decode_min_group = std::max(1, std::atoi(e));

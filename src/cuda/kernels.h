@@ -168,9 +168,8 @@ cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, i
 // whole 16-byte loads (L % 8 == 0), else the CUDA cores; 1 the CUDA cores always.
 int moe_grouped_variants();
 void set_moe_grouped_variant(int v);
-// Warps per 16-row tile splitting its columns on the tensor cores (1, 2, 4 or 8), for A/B timing.
-void set_moe_grouped_split(int gate_up, int down);
-// Token groups of 8 per pass at most on the tensor cores (1 or 2; 1 only at split 2), for A/B timing.
+// Token groups of 8 per pass at most on the tensor cores, for A/B timing: 0 (default) 1 when
+// T * K <= 4 E, else 2; 1 or 2 pinned.
 void set_moe_grouped_groups(int groups);
 
 // Prompt-chunk MoE on the tensor cores (moe_prefill.cu), for any number of (token, k) entries TK:

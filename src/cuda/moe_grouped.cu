@@ -119,22 +119,24 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   }
 }
 
-// The same products on the tensor cores (L % 8 == 0): a block per 16 output rows, mma.sync
-// m16n8k16 with the 16 rows as A and 8 of the expert's tokens as B, up to kMmaGroups groups of 8
-// tokens per pass over the rows. Why: the CUDA-core form reads every input value from L1 once per
-// weight it multiplies, so at 4-8 tokens per expert it ran at ~1.6 TB/s (docs/benchmarks.md); here
-// a weight fragment feeds one MMA per 8 tokens. A block's kMmaWarps warps take kMmaWarps / SPLIT
-// tiles of 16 rows, SPLIT warps per tile splitting its columns (part p takes chunks p, p + SPLIT,
-// ...: short dependent chains, many loads in flight), and sum their partial tiles through shared
-// memory in part order (deterministic). Each lane loads 8
-// consecutive BF16 of its two rows (16 bytes) and 8 consecutive floats of its token per 32-column
-// chunk; k slots map to columns the same way for A and B (slot 2q + p -> column 8q + p, slot
-// 8 + 2q + p -> 8q + 2 + p in the first k-step, + 4 in the second), so the MMA sums the right
-// products without a shuffle. The FP32 input is split into BF16 hi + lo (two MMAs), and the
-// accumulators are added to FP32 sums every kFoldChunks chunks, as in moe_expert_gemm_bf16:
-// FP32-level results (the tensor cores' accumulation truncates).
-constexpr int kMmaWarps = 8;    // warps per block: kMmaWarps / SPLIT row tiles of 16, SPLIT warps each
-constexpr int kMmaGroups = 2;   // groups of 8 tokens per pass over the rows, at most
+// The same products on the tensor cores (L % 8 == 0): mma.sync m16n8k16 with 16 of the expert's
+// rows as A and 8 of its tokens as B, up to GROUPS (1 or 2) groups of 8 tokens per pass over the
+// rows. Why: the CUDA-core form reads every input value from L1 once per weight it multiplies, so
+// at 4-8 tokens per expert it ran at ~1.6 TB/s (docs/benchmarks.md); here a weight fragment feeds
+// one MMA per 8 tokens. A block's kMmaWarps warps take kMmaWarps / kMmaSplit tiles of 16 rows,
+// kMmaSplit warps per tile splitting its columns (part p takes chunks p, p + kMmaSplit, ...:
+// shorter dependent chains, more loads in flight), and sum their partial tiles through shared
+// memory in part order (deterministic). Each lane loads 8 consecutive BF16 of its two rows (16
+// bytes) and 8 consecutive floats of its token per 32-column chunk; k slots map to columns the
+// same way for A and B (slot 2q + p -> column 8q + p, slot 8 + 2q + p -> 8q + 2 + p in the first
+// k-step, + 4 in the second), so the MMA sums the right products without a shuffle. The FP32 input
+// is split into BF16 hi + lo (two MMAs), and the accumulators are added to FP32 sums every
+// kFoldChunks chunks, as in moe_expert_gemm_bf16: FP32-level results (the tensor cores'
+// accumulation truncates).
+constexpr int kMmaWarps = 8;    // warps per block: kMmaWarps / kMmaSplit row tiles of 16
+// Warps per row tile: 2 was the fastest of 8 / 4 / 2 / 1 at B = 32 and 64 on both bench shapes
+// (docs/benchmarks.md, "Grouped MoE on the tensor cores").
+constexpr int kMmaSplit = 2;
 constexpr int kFoldChunks = 4;  // a warp's chunks of 32 columns per accumulator run
 
 // One 32-column chunk of a lane's weights: rows a and b (lane / 4 and + 8), gate (or down) and up.
@@ -176,11 +178,11 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[G][4], const uint4& ra, c
 // below n), its part of the columns. Each warp loads its next chunk's weights before this chunk's
 // MMAs (two chunks in flight per lane). red: [kMmaWarps][32 lanes][2 G 4] floats of shared memory
 // for the sum over a tile's parts (half without up).
-template <bool GATE_UP, int G, int SPLIT>
+template <bool GATE_UP, int G>
 __device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* __restrict__ in, const uint16_t* wa,
                                          const uint16_t* wb, size_t up, const short* list, int j0, int n, int div,
                                          int N, int L, int r0, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = warp % SPLIT, q = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = warp % kMmaSplit, q = lane & 3;
   const float* x[G];  // this lane's token of each group (B column lane / 4), or null
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -188,7 +190,7 @@ __device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* _
     x[g] = j < n ? in + size_t(list[j] / div) * L + 8 * q : nullptr;
   }
   float s[2][G][4] = {}, a1[G][4] = {}, a2[G][4] = {};  // s: gate (or down) and up sums
-  constexpr int kStride = 32 * SPLIT;  // columns between a warp's chunks
+  constexpr int kStride = 32 * kMmaSplit;  // columns between a warp's chunks
   WeightChunk w = load_chunk<GATE_UP>(wa, wb, up, 32 * part, 32 * part + 8 * q < L);
   for (int c = 32 * part, chunk = 1; c < L; c += kStride, ++chunk) {
     const WeightChunk next = load_chunk<GATE_UP>(wa, wb, up, c + kStride, c + kStride + 8 * q < L);
@@ -210,7 +212,7 @@ __device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* _
     }
     w = next;
   }
-  if constexpr (SPLIT > 1) {  // part 0 sums the tile's parts in part order
+  if constexpr (kMmaSplit > 1) {  // part 0 sums the tile's parts in part order
     constexpr int kPer = (GATE_UP ? 2 : 1) * G * 4;  // floats per lane: s[0] (and s[1])
     float* mine = red + (warp * 32 + lane) * kPer;
 #pragma unroll
@@ -219,7 +221,7 @@ __device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* _
     if (part == 0)
 #pragma unroll
       for (int v = 0; v < kPer; ++v)
-        for (int k = 1; k < SPLIT; ++k) (&s[0][0][0])[v] += red[((warp + k) * 32 + lane) * kPer + v];
+        for (int k = 1; k < kMmaSplit; ++k) (&s[0][0][0])[v] += red[((warp + k) * 32 + lane) * kPer + v];
   }
   if (part == 0)  // the lane holds rows r0 + lane / 4 (i < 2) and + 8 (i >= 2), tokens 2 q, 2 q + 1 of each group
 #pragma unroll
@@ -229,11 +231,12 @@ __device__ __forceinline__ void mma_pass(float* __restrict__ out, const float* _
         const int r = r0 + lane / 4 + (i >= 2 ? 8 : 0), j = j0 + 8 * g + 2 * q + (i & 1);
         if (r < N && j < n) out[size_t(list[j]) * N + r] = GATE_UP ? silu(s[0][g][i]) * s[1][g][i] : s[0][g][i];
       }
-  if constexpr (SPLIT > 1) __syncthreads();  // red is free for the next pass
+  if constexpr (kMmaSplit > 1) __syncthreads();  // red is free for the next pass
 }
 
-// grid (ceil(N / (16 kMmaWarps / SPLIT)), E), kMmaWarps warps; the products of moe_grouped_kernel<GATE_UP>.
-template <bool GATE_UP, int SPLIT, int GROUPS>
+// grid (ceil(N / (16 kMmaWarps / kMmaSplit)), E), kMmaWarps warps; the products of
+// moe_grouped_kernel<GATE_UP>, up to GROUPS groups of 8 tokens per pass.
+template <bool GATE_UP, int GROUPS>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     moe_grouped_mma_kernel(float* __restrict__ out, const float* __restrict__ in, const uint16_t* __restrict__ W,
                            const int32_t* __restrict__ ids, int TK, int K, int N, int L) {
@@ -244,7 +247,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   pdl_launch_dependents();
   const int e = blockIdx.y;
   const int n = collect_tokens(list, &count, ids, TK, e);
-  const int lane = threadIdx.x & 31, r0 = (blockIdx.x * (kMmaWarps / SPLIT) + (threadIdx.x >> 5) / SPLIT) * 16;
+  const int lane = threadIdx.x & 31, r0 = (blockIdx.x * (kMmaWarps / kMmaSplit) + (threadIdx.x >> 5) / kMmaSplit) * 16;
   if (n == 0) return;
   // This lane's rows r0 + lane / 4 and + 8 (rows past N read row N - 1; their results are dropped;
   // a tile wholly past N still runs, for the block's barriers).
@@ -255,9 +258,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int div = GATE_UP ? K : 1;
   for (int j0 = 0; j0 < n; j0 += 8 * GROUPS) {  // one group when 8 tokens or fewer are left
     if (GROUPS > 1 && n - j0 > 8)
-      mma_pass<GATE_UP, GROUPS, SPLIT>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
+      mma_pass<GATE_UP, GROUPS>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
     else
-      mma_pass<GATE_UP, 1, SPLIT>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
+      mma_pass<GATE_UP, 1>(out, in, wa, wb, up, list, j0, n, div, N, L, r0, red);
   }
 }
 
@@ -278,33 +281,30 @@ __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restric
 bool grouped_shape_ok(int T, int K, int E) { return T >= 0 && K >= 1 && T * K <= kMoeGroupedMaxTK && E >= 1 && E <= 65535; }
 
 int g_grouped_variant = 0;
-// Warps per row tile on the tensor cores (A/B: set_moe_grouped_split). 2 and 2 was the fastest of
-// 8 / 4 / 2 / 1 at B = 32 and 64 on both bench shapes (docs/benchmarks.md, "Grouped MoE on the tensor cores").
-int g_split_gate_up = 2, g_split_down = 2;
-int g_groups = kMmaGroups;  // token groups per pass at most (A/B: 1 at split 2)
+int g_groups = 0;  // token groups per pass at most: 0 = by the rule in grouped_launch, else pinned (A/B)
 
-template <bool GATE_UP, int SPLIT, int GROUPS = kMmaGroups>
+template <bool GATE_UP, int GROUPS>
 cudaError_t mma_launch(float* out, const float* in, const bf16* W, const int32_t* ids, int T, int K, int E, int N,
                        int L, cudaStream_t s) {
-  constexpr int rows = 16 * kMmaWarps / SPLIT;
-  return launch(moe_grouped_mma_kernel<GATE_UP, SPLIT, GROUPS>, dim3((N + rows - 1) / rows, E), kMmaWarps * 32, 0, s, out, in,
-                W, ids, T * K, K, N, L);
+  constexpr int rows = 16 * kMmaWarps / kMmaSplit;
+  return launch(moe_grouped_mma_kernel<GATE_UP, GROUPS>, dim3((N + rows - 1) / rows, E), kMmaWarps * 32, 0, s, out,
+                in, W, ids, T * K, K, N, L);
 }
 
 // The products of one grouped launch: on the tensor cores where rows are whole 16-byte loads
-// (L % 8 == 0) unless variant 1 pins the CUDA cores.
+// (L % 8 == 0) unless variant 1 pins the CUDA cores. One group of 8 tokens per pass when an expert
+// has 4 tokens or fewer on average (T K <= 4 E): fewer registers (gate/up 80 against 112, 3 blocks
+// per SM instead of 2), and a second pass is rare; two groups above. Measured both ways at B = 32
+// and 64 on both bench shapes, the rule picks the faster in each (docs/benchmarks.md).
 template <bool GATE_UP>
 cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int32_t* ids, int T, int K, int E, int N,
                            int L, cudaStream_t s) {
   if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   if (g_grouped_variant == 0 && L % 8 == 0) {
-    const int split = GATE_UP ? g_split_gate_up : g_split_down;
-    if (g_groups == 1 && split == 2) return mma_launch<GATE_UP, 2, 1>(out, in, W, ids, T, K, E, N, L, s);
-    return split == 1   ? mma_launch<GATE_UP, 1>(out, in, W, ids, T, K, E, N, L, s)
-           : split == 2 ? mma_launch<GATE_UP, 2>(out, in, W, ids, T, K, E, N, L, s)
-           : split == 4 ? mma_launch<GATE_UP, 4>(out, in, W, ids, T, K, E, N, L, s)
-                        : mma_launch<GATE_UP, 8>(out, in, W, ids, T, K, E, N, L, s);
+    const int groups = g_groups ? g_groups : T * K <= 4 * E ? 1 : 2;
+    return groups == 1 ? mma_launch<GATE_UP, 1>(out, in, W, ids, T, K, E, N, L, s)
+                       : mma_launch<GATE_UP, 2>(out, in, W, ids, T, K, E, N, L, s);
   }
   return launch(moe_grouped_kernel<GATE_UP>, dim3((N + kRowWarps - 1) / kRowWarps, E), kRowWarps * 32, 0, s, out,
                 in, W, ids, T * K, K, N, L);
@@ -314,11 +314,7 @@ cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int
 
 int moe_grouped_variants() { return 2; }
 void set_moe_grouped_variant(int v) { g_grouped_variant = v >= 0 && v < moe_grouped_variants() ? v : 0; }
-void set_moe_grouped_groups(int groups) { g_groups = groups == 1 ? 1 : kMmaGroups; }
-void set_moe_grouped_split(int gate_up, int down) {
-  auto ok = [](int v) { return v == 1 || v == 2 || v == 4 ? v : 8; };
-  g_split_gate_up = ok(gate_up), g_split_down = ok(down);
-}
+void set_moe_grouped_groups(int groups) { g_groups = groups == 1 || groups == 2 ? groups : 0; }
 
 cudaError_t moe_grouped_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int E,
                                 int F, int D, cudaStream_t s) {

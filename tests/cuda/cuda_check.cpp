@@ -554,16 +554,14 @@ void check_moe_grouped() {
     Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dy(size_t(c.T) * c.K * c.D), dwt(m.w);
     Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids);
-    // tensor cores (where L % 8 == 0) with 8, 4, 2 and 1 warps per row tile (gate/up and down), CUDA cores
-    struct V { int variant, split_gate_up, split_down, groups; };
-    for (V v : {V{0, 2, 2, 2}, V{0, 2, 2, 1}, V{0, 8, 4, 2}, V{0, 1, 8, 2}, V{0, 4, 1, 2}, V{1, 2, 2, 2}}) {
+    // tensor cores (where L % 8 == 0) with the token groups per pass by rule, pinned to 1 and 2; CUDA cores
+    struct V { int variant, groups; };
+    for (V v : {V{0, 0}, V{0, 1}, V{0, 2}, V{1, 0}}) {
       cu::set_moe_grouped_variant(v.variant);
-      cu::set_moe_grouped_split(v.split_gate_up, v.split_down);
       cu::set_moe_grouped_groups(v.groups);
       report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s %s", c.T, c.E, c.K, c.D, c.F,
                      c.same_experts ? " same experts" : "",
-                     v.variant ? "CUDA cores"
-                               : fmt("MMA split %d,%d groups %d", v.split_gate_up, v.split_down, v.groups).c_str()),
+                     v.variant ? "CUDA cores" : v.groups ? fmt("MMA groups %d", v.groups).c_str() : "MMA"),
                  c, m, [&](float* x) {
                    dact.poison(), dy.poison();
                    CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
@@ -572,8 +570,7 @@ void check_moe_grouped() {
                  });
     }
     cu::set_moe_grouped_variant(0);
-    cu::set_moe_grouped_split(2, 2);
-    cu::set_moe_grouped_groups(2);
+    cu::set_moe_grouped_groups(0);
   }
   // Too many (token, k) entries for the shared routing list: refused, nothing launched.
   const bool refused = cu::moe_grouped_gate_up(nullptr, nullptr, nullptr, nullptr, 65, 8, 64, 32, 64, 0) ==
