@@ -88,15 +88,14 @@ import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')) if r[-1].replace(',', '').replace('.', '').isdigit()]
 tot = collections.OrderedDict()
 for r in rows:
-    # ncu writes anonymous namespaces as <unnamed> (or (anonymous namespace)): dropped before the
-    # cut at the first '(' or '<', which would otherwise leave "tiermoe::" for every kernel of ours.
+    # ncu writes anonymous namespaces as <unnamed> (or (anonymous namespace)): dropped first.
     name = r[4].replace('void ', '').replace('<unnamed>::', '').replace('(anonymous namespace)::', '')
-    name = name.split('(')[0].split('<')[0]
+    name = name.replace('tiermoe::cuda::', '').split('(')[0]  # template arguments kept: <true, 8> vs <false, 8>
     c, t = tot.get(name, (0, 0.0)); tot[name] = (c + 1, t + float(r[-1].replace(',', '')) / 1e3)
 s = sum(t for c, t in tot.values())
 print(f"== {sys.argv[2]}: {len(rows)} kernels, {s:.1f} us of kernel time (ncu, serialized)")
 for n, (c, t) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
-    print(f"  {n:32s} x{c:4d} {t:8.1f} us  {t / c:6.2f} us each  {100 * t / s:5.1f}%")
+    print(f"  {n:44s} x{c:4d} {t:8.1f} us  {t / c:6.2f} us each  {100 * t / s:5.1f}%")
 PY
   done
   exit 0

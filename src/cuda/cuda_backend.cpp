@@ -107,6 +107,7 @@ class CudaBackend final : public Backend {
     const char* rope_early = std::getenv("TIERMOE_CUDA_ROPE_EARLY");
     cuda::set_rope_early(!(rope_early && rope_early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
+    if (const char* e = std::getenv("TIERMOE_CUDA_GROUPED_GROUPS")) cuda::set_moe_grouped_groups(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV3_ROWS")) cuda::set_gemv3_rows(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) opts_.tc_decode_keys = std::max(0, std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC_MIN_G")) opts_.tc_decode_min_group = std::max(1, std::atoi(e));
@@ -261,6 +262,7 @@ class CudaBackend final : public Backend {
   // the grouped ones (docs/benchmarks.md, "Fused MoE layer against an unfused one").
   static constexpr int kGroupedMinT = cuda::kGemvMaxT + 1;
   int grouped_min_t_ = kGroupedMinT;
+  bool grouped_mma_ = true;  // the grouped kernels on the tensor cores (TIERMOE_CUDA_GROUPED_MMA=0: CUDA cores)
   bool route_in_oproj_ = true;  // TIERMOE_CUDA_ROUTE=kernel: false
   static constexpr int kMoeGroupedMaxT = 64;
   float* moe_y_ = nullptr;  // grouped / expert-GEMM down projection, [(t, k) rows, D]
@@ -351,13 +353,17 @@ void CudaBackend::read_switches() {
     else if (std::strcmp(e, "oproj") != 0)
       throw InputError(std::string("TIERMOE_CUDA_ROUTE=") + e + ": expected oproj or kernel");
   }
-  if (mode != moe_mode_ || grouped_min_t != grouped_min_t_ || in_oproj != route_in_oproj_) {
+  const char* gm = std::getenv("TIERMOE_CUDA_GROUPED_MMA");  // 0: the grouped kernels on the CUDA cores
+  const bool grouped_mma = !(gm && gm[0] == '0');
+  if (mode != moe_mode_ || grouped_min_t != grouped_min_t_ || in_oproj != route_in_oproj_ || grouped_mma != grouped_mma_) {
     for (auto& [key, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
     graphs_.clear();
   }
   moe_mode_ = mode;
   grouped_min_t_ = grouped_min_t;
   route_in_oproj_ = in_oproj;
+  grouped_mma_ = grouped_mma;
+  cuda::set_moe_grouped_variant(grouped_mma ? 0 : 1);
   batch_attention_ = batch_attention;
   batch_tc_allowed_ = !(btc && btc[0] == '0');
 }

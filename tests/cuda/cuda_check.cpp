@@ -541,24 +541,36 @@ void check_moe_routed() {
   }
 }
 
-// The grouped kernels: T up to 64, experts with many tokens (several passes of a token group),
-// with none, odd D and F (the scalar path).
+// The grouped kernels under each variant: T up to 64, experts with many tokens (several passes of
+// a token group), with none, odd D and F (the CUDA cores' scalar path).
 void check_moe_grouped() {
   for (MoeCase c : {MoeCase{1, 8, 2, 64, 32}, MoeCase{2, 256, 8, 64, 40}, MoeCase{5, 16, 4, 100, 36},
                     MoeCase{8, 64, 8, 512, 256}, MoeCase{17, 8, 2, 48, 24, true}, MoeCase{32, 128, 8, 256, 192},
                     MoeCase{64, 32, 8, 1024, 512}, MoeCase{64, 8, 8, 64, 32}, MoeCase{64, 256, 8, 128, 96, true},
-                    MoeCase{40, 8, 2, 4096, 1024}, MoeCase{3, 1, 1, 33, 17}}) {
+                    MoeCase{40, 8, 2, 4096, 1024}, MoeCase{3, 1, 1, 33, 17},
+                    // the tensor cores' row tiles cut by N and chunks cut by L; a Mixtral-long down row
+                    MoeCase{9, 16, 4, 200, 72}, MoeCase{12, 2, 1, 256, 14336}}) {
     const MoeData m = moe_case(c);
     Dev<float> dh(m.h), dact(size_t(c.T) * c.K * c.F), dy(size_t(c.T) * c.K * c.D), dwt(m.w);
     Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids);
-    report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s", c.T, c.E, c.K, c.D, c.F, c.same_experts ? " same experts" : ""),
-               c, m, [&](float* x) {
-                 dact.poison(), dy.poison();
-                 CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
-                 CK(cu::moe_grouped_down(dy.p, dact.p, ddn.p, di.p, c.T, c.K, c.E, c.D, c.F, 0));
-                 CK(cu::moe_combine(x, dy.p, dwt.p, c.T, c.K, c.D, 0));
-               });
+    // tensor cores (where L % 8 == 0) with the token groups per pass by rule, pinned to 1 and 2; CUDA cores
+    struct V { int variant, groups; };
+    for (V v : {V{0, 0}, V{0, 1}, V{0, 2}, V{1, 0}}) {
+      cu::set_moe_grouped_variant(v.variant);
+      cu::set_moe_grouped_groups(v.groups);
+      report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s %s", c.T, c.E, c.K, c.D, c.F,
+                     c.same_experts ? " same experts" : "",
+                     v.variant ? "CUDA cores" : v.groups ? fmt("MMA groups %d", v.groups).c_str() : "MMA"),
+                 c, m, [&](float* x) {
+                   dact.poison(), dy.poison();
+                   CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
+                   CK(cu::moe_grouped_down(dy.p, dact.p, ddn.p, di.p, c.T, c.K, c.E, c.D, c.F, 0));
+                   CK(cu::moe_combine(x, dy.p, dwt.p, c.T, c.K, c.D, 0));
+                 });
+    }
+    cu::set_moe_grouped_variant(0);
+    cu::set_moe_grouped_groups(0);
   }
   // Too many (token, k) entries for the shared routing list: refused, nothing launched.
   const bool refused = cu::moe_grouped_gate_up(nullptr, nullptr, nullptr, nullptr, 65, 8, 64, 32, 64, 0) ==
@@ -1532,16 +1544,19 @@ int batchtable_main(int argc, char** argv) {
     prefill_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     first[i] = int32_t(std::max_element(logits.begin(), logits.begin() + V) - logits.begin());
   }
-  struct Variant { const char *name, *moe, *min_t, *batch_attn, *batch_tc; };
+  struct Variant { const char *name, *moe, *min_t, *batch_attn, *batch_tc, *grouped_mma; };
   // before: per-(token, k) MoE kernels to T = 8, expert GEMMs beyond, attention per sequence;
   // grouped_from_2: the grouped MoE kernels from T = 2 (the default until 6d1688f); cuda_core_attn:
   // the default's MoE kernels, batch attention never on the tensor cores (before the batched
-  // tensor-core decode); default: grouped from T = 9, attention on the tensor cores where the
-  // batch-1 rule would take them for the longest sequence.
-  const Variant variants[] = {{"before", "fused", "2", "0", "0"},
-                              {"grouped_from_2", "grouped", "2", "1", "0"},
-                              {"cuda_core_attn", "grouped", "9", "1", "0"},
-                              {"default", "grouped", "9", "1", "1"}};
+  // tensor-core decode); grouped_cuda_cores: the default with the grouped MoE kernels on the CUDA
+  // cores (before they moved to the tensor cores); default: grouped from T = 9 on the tensor
+  // cores, attention on the tensor cores where the batch-1 rule would take them for the longest
+  // sequence.
+  const Variant variants[] = {{"before", "fused", "2", "0", "0", "1"},
+                              {"grouped_from_2", "grouped", "2", "1", "0", "1"},
+                              {"cuda_core_attn", "grouped", "9", "1", "0", "1"},
+                              {"grouped_cuda_cores", "grouped", "9", "1", "1", "0"},
+                              {"default", "grouped", "9", "1", "1", "1"}};
   for (int B : batches) {
     std::vector<int32_t> tokens_first_variant;
     for (const Variant& v : variants) {
@@ -1550,6 +1565,7 @@ int batchtable_main(int argc, char** argv) {
       setenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T", v.min_t, 1);
       setenv("TIERMOE_CUDA_BATCH_ATTN", v.batch_attn, 1);
       setenv("TIERMOE_CUDA_BATCH_TC", v.batch_tc, 1);
+      setenv("TIERMOE_CUDA_GROUPED_MMA", v.grouped_mma, 1);
       std::vector<int32_t> next(first.begin(), first.begin() + B), tokens;
       std::vector<Backend::SeqStep> steps(B);
       std::vector<double> step_ms;
