@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|batch|moe|ab|sanitize]   (quick: no large published
-#   configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
-#   initcheck; profile: per-kernel times of one decode step under ncu; batch: the kernel table,
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|detail|batch|moe|ab|sanitize]   (quick: no large
+#   published configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
+#   initcheck; profile: per-kernel times of one decode step under ncu; detail: ncu's throughput,
+#   occupancy and warp-stall sections for one kernel of that step (DETAIL_KERNEL); batch: the kernel table,
 #   then B = 1, 8, 32, 64 under the A/B variants in one process per config (batchtable), then the
 #   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
@@ -75,6 +76,18 @@ if [ "$MODE" = again ]; then  # the kernel table twice more, then the race and i
     log $tool; timeout 100 compute-sanitizer --tool $tool $C --kernels-only > "$OUT/$tool.txt" 2>&1; tail -4 "$OUT/$tool.txt"
   done
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
+fi
+if [ "$MODE" = detail ]; then  # ncu sections of one kernel in one eager decode step: why it is slow
+  # DETAIL_KERNEL: a regex of kernel function names (default attention_prefill); DETAIL_ROW: "config
+  # ctx batch" (default the Qwen3 16-layer shape, 4096 keys, B = 64); DETAIL_COUNT launches (default 1).
+  set -- ${DETAIL_ROW:-qwen3-30b-a3b-L16-v8192.json 4096 64}; log "detail ${DETAIL_KERNEL:-attention_prefill} $*"
+  TIERMOE_CUDA_GRAPHS=0 timeout ${DETAIL_S:-300} ncu --profile-from-start off --clock-control none \
+    --kernel-name "regex:${DETAIL_KERNEL:-attention_prefill}" --launch-count ${DETAIL_COUNT:-1} \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats --log-file "$OUT/detail.txt" \
+    $C profile --config configs/$1 --ctx $2 --batch $3 > /dev/null
+  grep -vE "^==PROF==|^ *-+ *$|^$" "$OUT/detail.txt" | head -${DETAIL_LINES:-120}
+  exit 0
 fi
 if [ "$MODE" = profile ]; then  # ncu: every kernel of one eager decode step, summed per kernel name
   # PROFILE_ROWS: "config ctx batch" rows separated by ';' (batch > 1: one forward_batch step of that many sequences)
