@@ -66,7 +66,7 @@ for line in open(sys.argv[1]):
 PY
   log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
-elif [ "$MODE" != benchonly ] && [ "$MODE" != sampling ]; then  # sampling: the benchmarks alone
+elif [[ ! "$MODE" =~ ^(benchonly|sampling|profile|detail)$ ]]; then  # sampling: the benchmarks alone; profile, detail: ncu alone
   log check
   timeout 150 $C 2>&1 | tee "$OUT/check.txt"
 fi
