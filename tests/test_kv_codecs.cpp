@@ -105,6 +105,30 @@ TEST(KvCodec, RoundTripErrorBounds) {
   for (int i = 0; i < Dh; ++i) EXPECT_NEAR(y[size_t(i)], held[size_t(i)], std::fabs(held[size_t(i)]) / 16 + fp8.fp8_scale * 0.02);
 }
 
+// A page's rows brought back together (decode_page's path) equal them brought back one at a time,
+// with and without a mean, at head sizes the blocked loop takes (64, 128) and one it leaves to the
+// per-row loop (40), for row counts that do and do not fill its blocks of 4.
+TEST(KvCodec, RowsFromBasisEqualOneAtATime) {
+  for (int Dh : {128, 64, 40})
+    for (bool center : {true, false}) {
+      const auto x = keys_like(256, Dh, 11);
+      CodecSpec spec = kv_preset("default").k;
+      spec.center = center;
+      VqCodec c;
+      c.fit(spec, x.data(), 256, Dh, {}, 3, 2);
+      ASSERT_FALSE(c.rot.empty());
+      ASSERT_EQ(c.mean.empty(), !center);
+      for (int n : {1, 4, 7, 64}) {
+        std::vector<float> y(x.begin(), x.begin() + size_t(n) * Dh), rows(y.size()), one(static_cast<size_t>(Dh));
+        c.from_basis_rows(y.data(), n, rows.data());
+        for (int t = 0; t < n; ++t) {
+          c.from_basis(y.data() + size_t(t) * Dh, 1.f, one.data());
+          for (int i = 0; i < Dh; ++i) ASSERT_EQ(rows[size_t(t) * Dh + i], one[size_t(i)]) << Dh << " " << n << " " << t << " " << i;
+        }
+      }
+    }
+}
+
 TEST(KvCodec, KiviRoundTripWithinHalfAStep) {
   const int P = 32, Dh = 64;
   auto x = keys_like(P, Dh, 3);

@@ -476,14 +476,17 @@ void VqCodec::encode(const float* x, uint16_t* codes, uint8_t* anc, float* norm)
 }
 
 void VqCodec::decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x, bool in_basis) const {
-  float y[256] = {};
+  float y[256], r[256];  // only the d (and rest.size()) entries in use are zeroed: this runs per key per step
+  std::fill_n(y, d, 0.f);
+  std::fill_n(r, rest.size(), 0.f);
   for (size_t a = 0; a < anchors.size(); ++a) y[anchors[a]] = fp8_e4m3_to_f32(anc[a]) * anchor_scale[a];
-  float r[256] = {};
   int ci = 0;
   for (int s = 0; s < n_stages && s < int(stages.size()); ++s)
     for (const VqSlot& slot : stages[size_t(s)]) {
       const float* c = slot.book.data() + size_t(codes[ci++]) * slot.len;
-      for (int l = 0; l < slot.len; ++l) r[slot.c0 + l] += c[l];
+      if (slot.len == 1) r[slot.c0] += c[0];  // scalar slots, the common case: no inner loop
+      else
+        for (int l = 0; l < slot.len; ++l) r[slot.c0 + l] += c[l];
     }
   for (size_t i = 0; i < rest.size(); ++i) y[rest[i]] = norm * r[i];
   if (in_basis) {
@@ -497,6 +500,30 @@ void VqCodec::from_basis(const float* y, float weight, float* x) const {
   unrotate(y, x);
   if (!mean.empty())
     for (int i = 0; i < d; ++i) x[i] += weight * mean[size_t(i)];
+}
+
+void VqCodec::from_basis_rows(const float* y, int n, float* x) const {
+  // Blocks of kRows rows x kCols columns of x in registers while r runs over U's rows: each
+  // 32-column piece of U row r is loaded once for 4 rows, where unrotate's per-row loop loads and
+  // stores x at every r. The sum over r is in the same order, so the bits are unrotate's.
+  constexpr int kRows = 4, kCols = 32;
+  int t = 0;
+  if (!rot.empty() && d % kCols == 0)
+    for (; t + kRows <= n; t += kRows)
+      for (int c0 = 0; c0 < d; c0 += kCols) {
+        float acc[kRows][kCols] = {};
+        for (int r = 0; r < d; ++r) {
+          const float* u = rot.data() + size_t(r) * d + c0;
+          for (int i = 0; i < kRows; ++i) {
+            const float yr = y[size_t(t + i) * d + size_t(r)];
+            for (int l = 0; l < kCols; ++l) acc[i][l] += yr * u[l];
+          }
+        }
+        for (int i = 0; i < kRows; ++i)
+          for (int l = 0; l < kCols; ++l)
+            x[size_t(t + i) * d + size_t(c0 + l)] = mean.empty() ? acc[i][l] : acc[i][l] + mean[size_t(c0 + l)];
+      }
+  for (; t < n; ++t) from_basis(y + size_t(t) * d, 1.f, x + size_t(t) * d);
 }
 
 void VqCodec::roundtrip_elementwise(float* x) const {

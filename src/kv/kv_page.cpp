@@ -18,14 +18,16 @@ void put_bits(uint8_t* buf, size_t off, uint32_t v, int n) {
     v >>= take, off += size_t(take), n -= take;
   }
 }
+// Reads only the bytes the field touches (at most 3 for 16 bits): a code at the buffer's end is
+// never read past it. Runs per code per key at every decode step, hence no loop.
 uint32_t get_bits(const uint8_t* buf, size_t off, int n) {
-  uint32_t v = 0;
-  for (int got = 0; got < n;) {
-    const int sh = int(off & 7), take = std::min(8 - sh, n - got);
-    v |= uint32_t((buf[off >> 3] >> sh) & ((1u << take) - 1)) << got;
-    got += take, off += size_t(take);
-  }
-  return v;
+  if (n == 0) return 0;
+  const size_t i = off >> 3;
+  const int sh = int(off & 7);
+  uint32_t v = buf[i];
+  if (sh + n > 8) v |= uint32_t(buf[i + 1]) << 8;
+  if (sh + n > 16) v |= uint32_t(buf[i + 2]) << 16;
+  return (v >> sh) & ((1u << n) - 1);
 }
 
 bool is_vq(const StreamCodecs& c) { return c[0].kind == "vq"; }
@@ -129,12 +131,15 @@ void truncate_page_stages(PageStore& pg, const StreamCodecs& c, const PageGeomet
   pg.stages = stages;
 }
 
-void page_codes(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t, uint16_t* codes) {
-  const VqCodec& cd = c[h];
-  size_t off = head_bit_offset(c, geo, h, pg.stages) + size_t(t) * record_bits(cd, pg.stages);
+// The codes of the record at bit `off` (stages of cd).
+static void record_codes(const PageStore& pg, const VqCodec& cd, size_t off, uint16_t* codes) {
   int k = 0;
   for (int s = 0; s < pg.stages; ++s)
     for (const VqSlot& slot : cd.stages[size_t(s)]) codes[k++] = uint16_t(get_bits(pg.codes.data(), off, slot.bits)), off += size_t(slot.bits);
+}
+
+void page_codes(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t, uint16_t* codes) {
+  record_codes(pg, c[h], head_bit_offset(c, geo, h, pg.stages) + size_t(t) * record_bits(c[h], pg.stages), codes);
 }
 
 float page_norm(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t) {
@@ -162,13 +167,23 @@ void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry&
     return;
   }
   CHECK(stages <= pg.stages);
-  std::vector<uint16_t> codes(size_t(cd.n_codes()));
-  for (int t = 0; t < P; ++t) {
-    page_codes(pg, c, geo, h, t, codes.data());
-    float* o = out + size_t(t) * Dh;
-    cd.decode(codes.data(), page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, o, in_basis);
-    if (c.kv == 0 && rope.on()) rope.apply(o, geo.first + t, Dh, 1.f);
+  // The rows in the codec's basis first (into out itself when they stay there), then brought back
+  // together (from_basis_rows: one pass over the rotation per 4 rows, not one per row).
+  thread_local std::vector<float> in_rot;
+  float* y = out;
+  if (!in_basis) {
+    in_rot.resize(size_t(P) * Dh);
+    y = in_rot.data();
   }
+  std::vector<uint16_t> codes(size_t(cd.n_codes()));
+  const int record = record_bits(cd, pg.stages);  // off: the head's first record
+  for (int t = 0; t < P; ++t) {
+    record_codes(pg, cd, off + size_t(t) * size_t(record), codes.data());
+    cd.decode(codes.data(), page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, y + size_t(t) * Dh, true);
+  }
+  if (!in_basis) cd.from_basis_rows(y, P, out);
+  if (c.kv == 0 && rope.on())
+    for (int t = 0; t < P; ++t) rope.apply(out + size_t(t) * Dh, geo.first + t, Dh, 1.f);
 }
 
 }  // namespace tiermoe
