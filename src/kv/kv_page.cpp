@@ -131,15 +131,12 @@ void truncate_page_stages(PageStore& pg, const StreamCodecs& c, const PageGeomet
   pg.stages = stages;
 }
 
-// The codes of the record at bit `off` (stages of cd).
-static void record_codes(const PageStore& pg, const VqCodec& cd, size_t off, uint16_t* codes) {
+void page_codes(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t, uint16_t* codes) {
+  const VqCodec& cd = c[h];
+  size_t off = head_bit_offset(c, geo, h, pg.stages) + size_t(t) * record_bits(cd, pg.stages);
   int k = 0;
   for (int s = 0; s < pg.stages; ++s)
     for (const VqSlot& slot : cd.stages[size_t(s)]) codes[k++] = uint16_t(get_bits(pg.codes.data(), off, slot.bits)), off += size_t(slot.bits);
-}
-
-void page_codes(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t, uint16_t* codes) {
-  record_codes(pg, c[h], head_bit_offset(c, geo, h, pg.stages) + size_t(t) * record_bits(c[h], pg.stages), codes);
 }
 
 float page_norm(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t) {
@@ -175,11 +172,15 @@ void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry&
     in_rot.resize(size_t(P) * Dh);
     y = in_rot.data();
   }
-  std::vector<uint16_t> codes(size_t(cd.n_codes()));
   const int record = record_bits(cd, pg.stages);  // off: the head's first record
   for (int t = 0; t < P; ++t) {
-    record_codes(pg, cd, off + size_t(t) * size_t(record), codes.data());
-    cd.decode(codes.data(), page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, y + size_t(t) * Dh, true);
+    size_t at = off + size_t(t) * size_t(record);
+    auto next_code = [&](int bits) {
+      const uint32_t code = get_bits(pg.codes.data(), at, bits);
+      at += size_t(bits);
+      return code;
+    };
+    cd.decode_with(next_code, page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, y + size_t(t) * Dh, true);
   }
   if (!in_basis) cd.from_basis_rows(y, P, out);
   if (c.kv == 0 && rope.on())
