@@ -61,9 +61,21 @@ void code_widths(const VqCodec& c, int stages, std::vector<int>& w) {
 }  // namespace
 
 void KeyRope::apply(float* v, int pos, int Dh, float sign) const {
+  if (table && pos >= table_first && pos < table_first + table_n) {
+    const float* row = table + size_t(pos - table_first) * size_t(Dh);
+    rope_rotate(v, row, row + Dh / 2, Dh / 2, sign);
+    return;
+  }
   float cs[128], sn[128];
   rope_angles(inv_freq.data(), Dh / 2, pos, cs, sn);
   rope_rotate(v, cs, sn, Dh / 2, sign);
+}
+
+void KeyRope::angles_table(int first, int n, int Dh, float* out) const {
+  for (int i = 0; i < n; ++i) {
+    float* row = out + size_t(i) * size_t(Dh);
+    rope_angles(inv_freq.data(), Dh / 2, first + i, row, row + Dh / 2);
+  }
 }
 
 void encode_page(PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, const KeyRope& rope) {

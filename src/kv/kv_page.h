@@ -18,8 +18,14 @@ namespace tiermoe {
 // with it redone (sign +1). Empty inv_freq: keys are coded as they come (post-RoPE).
 struct KeyRope {
   std::vector<float> inv_freq;  // [Dh/2] (cpu/ops.h: rope_inv_freq)
+  // Optional: the angles of positions [table_first, table_first + table_n) computed once, rows of
+  // Dh/2 cosines then Dh/2 sines (angles_table), for decoding the same positions of many heads.
+  const float* table = nullptr;
+  int table_first = 0, table_n = 0;
   bool on() const { return !inv_freq.empty(); }
   void apply(float* v, int pos, int Dh, float sign) const;
+  // table[n, Dh]: the angles of positions first .. first + n - 1, as apply() computes them.
+  void angles_table(int first, int n, int Dh, float* table) const;
 };
 
 // The codecs of one stream (K or V) of one layer: codec h of KV head h.

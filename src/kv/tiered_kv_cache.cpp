@@ -500,7 +500,7 @@ class TieredKvCache final : public KvCache {
 
   // Decodes, for KV head kvh, the coded pages that queries p0..p1 read: `mid` all stages,
   // `arch` the archive's prefix (only where it differs from the middle).
-  void decode_for_chunk(const Layer& L, int kvh, int p0, int p1, Decoded& mid, Decoded& arch) const {
+  void decode_for_chunk(const Layer& L, int kvh, int p0, int p1, const KeyRope& rope, Decoded& mid, Decoded& arch) const {
     const int P = spec_.page, Dh = g_.head_dim;
     int s0, ae0, ce0, s1, ae1, ce1;
     ranges(L, p0, s0, ae0, ce0);
@@ -521,7 +521,7 @@ class TieredKvCache final : public KvCache {
         const int pg = d.lo + (j < n_mid ? j : j - n_mid);
         const PageStore& page = L.s[kv].pages[size_t(pg)];
         const VqCodec& c = L.codec[size_t(page.version)][size_t(kvh) * 2 + size_t(kv)];
-        decode_page(page, codecs(L, kv, page.version), page_geo(pg), kvh, stages_for(&d == &arch, c), rope_,
+        decode_page(page, codecs(L, kv, page.version), page_geo(pg), kvh, stages_for(&d == &arch, c), rope,
                     d.rows[kv].data() + size_t(pg - d.lo) * P * Dh, kv == 1 && values_in_basis());
       }
     });
@@ -587,9 +587,21 @@ class TieredKvCache final : public KvCache {
       });
       return;
     }
+    // Pre-RoPE keys: the angles of the coded positions these queries read (below ce), computed
+    // once for every KV head instead of once per head and key.
+    KeyRope rope = rope_;
+    thread_local std::vector<float> angles;
+    if (rope_.on()) {
+      int sink, ae, ce;
+      ranges(L, p0 + T - 1, sink, ae, ce);
+      angles.resize(size_t(ce) * Dh);
+      float* table = angles.data();  // this thread's buffer (a worker naming `angles` gets its own)
+      parallel_for(size_t(ce), [&](size_t b, size_t e) { rope_.angles_table(int(b), int(e - b), Dh, table + b * Dh); }, 64);
+      rope.table = table, rope.table_first = 0, rope.table_n = ce;
+    }
     for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
       Decoded mid, arch;
-      decode_for_chunk(L, kvh, p0, p0 + T - 1, mid, arch);
+      decode_for_chunk(L, kvh, p0, p0 + T - 1, rope, mid, arch);
       parallel_for(size_t(T) * group, [&](size_t b, size_t e) {
         thread_local std::vector<float> scores;
         for (size_t i = b; i < e; ++i) {
