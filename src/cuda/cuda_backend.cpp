@@ -363,7 +363,7 @@ void CudaBackend::read_switches() {
   grouped_min_t_ = grouped_min_t;
   route_in_oproj_ = in_oproj;
   grouped_mma_ = grouped_mma;
-  cuda::set_moe_grouped_variant(grouped_mma ? 0 : 1);
+  cuda::set_moe_grouped_mma(grouped_mma);
   batch_attention_ = batch_attention;
   batch_tc_allowed_ = !(btc && btc[0] == '0');
 }

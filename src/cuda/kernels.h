@@ -164,10 +164,9 @@ cudaError_t moe_grouped_gate_up(float* act, const float* h, const bf16* Wgu, con
 cudaError_t moe_grouped_down(float* y, const float* act, const bf16* Wd, const int32_t* ids, int T, int K, int E,
                              int D, int F, cudaStream_t s);
 cudaError_t moe_combine(float* x, const float* y, const float* weights, int T, int K, int D, cudaStream_t s);
-// The grouped kernels' products, for A/B timing: 0 (default) on the tensor cores where the rows are
-// whole 16-byte loads (L % 8 == 0), else the CUDA cores; 1 the CUDA cores always.
-int moe_grouped_variants();
-void set_moe_grouped_variant(int v);
+// The grouped kernels' products, for A/B timing: on the tensor cores where the rows are whole
+// 16-byte loads (L % 8 == 0), else the CUDA cores (on, the default); off: the CUDA cores always.
+void set_moe_grouped_mma(bool on);
 // Token groups of 8 per pass at most on the tensor cores, for A/B timing: 0 (default) 1 when
 // T * K <= 4 E, else 2; 1 or 2 pinned.
 void set_moe_grouped_groups(int groups);

@@ -280,7 +280,7 @@ __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restric
 
 bool grouped_shape_ok(int T, int K, int E) { return T >= 0 && K >= 1 && T * K <= kMoeGroupedMaxTK && E >= 1 && E <= 65535; }
 
-int g_grouped_variant = 0;
+bool g_grouped_mma = true;
 int g_groups = 0;  // token groups per pass at most: 0 = by the rule in grouped_launch, else pinned (A/B)
 
 template <bool GATE_UP, int GROUPS>
@@ -292,16 +292,16 @@ cudaError_t mma_launch(float* out, const float* in, const bf16* W, const int32_t
 }
 
 // The products of one grouped launch: on the tensor cores where rows are whole 16-byte loads
-// (L % 8 == 0) unless variant 1 pins the CUDA cores. One group of 8 tokens per pass when an expert
-// has 4 tokens or fewer on average (T K <= 4 E): fewer registers (gate/up 80 against 112, 3 blocks
-// per SM instead of 2), and a second pass is rare; two groups above. Measured both ways at B = 32
+// (L % 8 == 0) unless set_moe_grouped_mma(false) pins the CUDA cores. One group of 8 tokens per
+// pass when an expert has 4 tokens or fewer on average (T K <= 4 E): fewer registers (gate/up 80
+// against 112, 3 blocks per SM instead of 2), and a second pass is rare; two groups above. Measured both ways at B = 32
 // and 64 on both bench shapes, the rule picks the faster in each (docs/benchmarks.md).
 template <bool GATE_UP>
 cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int32_t* ids, int T, int K, int E, int N,
                            int L, cudaStream_t s) {
   if (!grouped_shape_ok(T, K, E)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  if (g_grouped_variant == 0 && L % 8 == 0) {
+  if (g_grouped_mma && L % 8 == 0) {
     const int groups = g_groups ? g_groups : T * K <= 4 * E ? 1 : 2;
     return groups == 1 ? mma_launch<GATE_UP, 1>(out, in, W, ids, T, K, E, N, L, s)
                        : mma_launch<GATE_UP, 2>(out, in, W, ids, T, K, E, N, L, s);
@@ -312,8 +312,7 @@ cudaError_t grouped_launch(float* out, const float* in, const bf16* W, const int
 
 }  // namespace
 
-int moe_grouped_variants() { return 2; }
-void set_moe_grouped_variant(int v) { g_grouped_variant = v >= 0 && v < moe_grouped_variants() ? v : 0; }
+void set_moe_grouped_mma(bool on) { g_grouped_mma = on; }
 void set_moe_grouped_groups(int groups) { g_groups = groups == 1 || groups == 2 ? groups : 0; }
 
 cudaError_t moe_grouped_gate_up(float* act, const float* h, const bf16* Wgu, const int32_t* ids, int T, int K, int E,

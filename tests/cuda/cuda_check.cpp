@@ -555,13 +555,13 @@ void check_moe_grouped() {
     Dev<uint16_t> dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids);
     // tensor cores (where L % 8 == 0) with the token groups per pass by rule, pinned to 1 and 2; CUDA cores
-    struct V { int variant, groups; };
-    for (V v : {V{0, 0}, V{0, 1}, V{0, 2}, V{1, 0}}) {
-      cu::set_moe_grouped_variant(v.variant);
+    struct V { bool mma; int groups; };
+    for (V v : {V{true, 0}, V{true, 1}, V{true, 2}, V{false, 0}}) {
+      cu::set_moe_grouped_mma(v.mma);
       cu::set_moe_grouped_groups(v.groups);
       report_moe(fmt("moe_grouped T=%d E=%d K=%d D=%d F=%d%s %s", c.T, c.E, c.K, c.D, c.F,
                      c.same_experts ? " same experts" : "",
-                     v.variant ? "CUDA cores" : v.groups ? fmt("MMA groups %d", v.groups).c_str() : "MMA"),
+                     !v.mma ? "CUDA cores" : v.groups ? fmt("MMA groups %d", v.groups).c_str() : "MMA"),
                  c, m, [&](float* x) {
                    dact.poison(), dy.poison();
                    CK(cu::moe_grouped_gate_up(dact.p, dh.p, dgu.p, di.p, c.T, c.K, c.E, c.F, c.D, 0));
@@ -569,7 +569,7 @@ void check_moe_grouped() {
                    CK(cu::moe_combine(x, dy.p, dwt.p, c.T, c.K, c.D, 0));
                  });
     }
-    cu::set_moe_grouped_variant(0);
+    cu::set_moe_grouped_mma(true);
     cu::set_moe_grouped_groups(0);
   }
   // Too many (token, k) entries for the shared routing list: refused, nothing launched.
