@@ -37,7 +37,7 @@ namespace {
 
 constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // query rows (token, head) per block
-constexpr int kTileK = 64;          // keys per K/V tile
+constexpr int kTileK = kPrefillTileKeys;  // keys per K/V tile
 // O += P V in groups of kGroupN 8-dim column tiles, each its own accumulator chain. Measured (H200,
 // T = 512 over 4096 and 8192 keys): 2 and 4 within 2% of each other, 8 3-6% faster but with more
 // spills and not yet run under the sanitizers; 4 was.
@@ -326,6 +326,16 @@ cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages k
 }
 
 }  // namespace
+
+int attention_prefill_decode_resident_blocks(int Dh, bool split_p) {
+  auto* kernel = Dh == 64 ? (split_p ? attention_prefill_kernel<64, true, true> : attention_prefill_kernel<64, false, true>)
+                          : (split_p ? attention_prefill_kernel<128, true, true> : attention_prefill_kernel<128, false, true>);
+  int per_sm = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(Dh))) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem_bytes(Dh)) != cudaSuccess)
+    return 0;
+  return per_sm * sm_count();
+}
 
 bool attention_prefill_supported(int H, int Hkv, int Dh) {
   return Hkv > 0 && H % Hkv == 0 && H / Hkv <= kPrefillMaxG && (Dh == 64 || Dh == 128);

@@ -12,6 +12,7 @@
 #include "cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +29,7 @@
 #include "core/dtype.h"
 #include "cuda/cuda_error.h"
 #include "cuda/cuda_kv_cache.h"
+#include "cuda/decode_splits.h"
 #include "cuda/kernels.h"
 #include "cuda/sampling.h"
 
@@ -289,6 +291,19 @@ class CudaBackend final : public Backend {
   // The tensor-core decode's key splits: 4 per 1024 keys from 1024 on (at 4096 keys 3-6% faster per
   // token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md).
   static int tc_decode_splits(int keys) { return keys > 1024 ? (keys + 1023) / 1024 * 4 : 0; }
+  // A decode batch's key splits: at most batch-1's count for its longest sequence (`most`), fewer
+  // where the (sequence, KV head, split) blocks would come in waves (cuda::decode_batch_splits:
+  // -4% .. -13% per step on the bench shapes at B = 8..64, docs/benchmarks.md "Decode batches: key
+  // splits"). The model sees the keys rounded up as `most` steps (to a power of two up to 1024, then
+  // to 1024s), so that a growing batch changes its split count, and captures a graph, no more often
+  // than `most` does. TIERMOE_CUDA_BATCH_SPLITS=0: `most` (the rule before); =N: min(N, most).
+  int batch_splits(int most, int keys, int tile_keys, int resident, int B) const {
+    if (batch_splits_pin_ >= 0) return batch_splits_pin_ == 0 ? most : std::min(batch_splits_pin_, most);
+    const int stepped = keys > 1024 ? (keys + 1023) / 1024 * 1024 : int(std::bit_ceil(unsigned(std::max(1, keys))));
+    return cuda::decode_batch_splits(stepped, tile_keys, B * cfg_.num_kv_heads, resident, most);
+  }
+  int batch_splits_pin_ = -1;  // -1: decode_batch_splits
+  int tc_resident_blocks_ = -1, decode_resident_blocks_ = -1;  // the attention kernels' residency, asked once
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
@@ -366,6 +381,8 @@ void CudaBackend::read_switches() {
   cuda::set_moe_grouped_mma(grouped_mma);
   batch_attention_ = batch_attention;
   batch_tc_allowed_ = !(btc && btc[0] == '0');
+  const char* pin = std::getenv("TIERMOE_CUDA_BATCH_SPLITS");
+  batch_splits_pin_ = pin ? std::max(0, std::atoi(pin)) : -1;
 }
 
 // The page pool's size: kv_cache_bytes when given, else the GPU memory free once the weights and
@@ -799,7 +816,15 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     int splits = 0, longest = 0;
     for (const Piece& p : pieces) splits = std::max(splits, p.n_splits), longest = std::max(longest, p.cache->length() + 1);
     batch_tc_ = batch_tc_allowed_ && tc_decode_keys(longest);
-    if (batch_tc_) splits = std::max(1, tc_decode_splits(longest));
+    if (batch_tc_) {
+      if (tc_resident_blocks_ < 0)
+        tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(cfg_.head_dim, opts_.flash_split_p);
+      splits = batch_splits(std::max(1, tc_decode_splits(longest)), longest, cuda::kPrefillTileKeys, tc_resident_blocks_, B);
+    } else {
+      if (decode_resident_blocks_ < 0)
+        decode_resident_blocks_ = cuda::attention_decode_resident_blocks(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
+      splits = batch_splits(splits, longest, cuda::attention_decode_tile_keys(cfg_.head_dim), decode_resident_blocks_, B);
+    }
     if (size_t(B) * cfg_.num_heads * splits * (cfg_.head_dim + 2) > partial_cap_) {
       batch_tc_ = false;
     } else {

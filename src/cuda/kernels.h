@@ -223,6 +223,10 @@ constexpr int kPrefillMaxG = 8;
 bool attention_prefill_supported(int H, int Hkv, int Dh);
 cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
                               bool split_p, cudaStream_t s, float* partial = nullptr, int n_splits = 1);
+// How many blocks of the decode form (T * G <= 16 rows per block) the GPU holds at once (0 if
+// unknown), and the keys of its K/V tiles: what a decode batch's key splits are sized by.
+constexpr int kPrefillTileKeys = 64;
+int attention_prefill_decode_resident_blocks(int Dh, bool split_p);
 // out[T, H, Dh] from the splits' (max, sum, unnormalized output) in partial[T, H, n_splits, Dh + 2]
 // (the max in natural-log units; -inf: a split with no visible key).  twin: the online softmax's merge
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s);
@@ -248,6 +252,10 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf1
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
 // Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
 void set_attention_early(bool on);
+// How many blocks of attention_decode (all G heads of a KV head per block) the GPU holds at once (0
+// if unknown), and the keys of its tiles: what a decode batch's key splits are sized by.
+int attention_decode_resident_blocks(int H, int Hkv, int Dh);
+int attention_decode_tile_keys(int Dh);
 bool attention_decode_supported(int H, int Hkv, int Dh);
 
 // w[n] = uniform(-scale, scale) from a counter hash of (seed, i); for dummy weights.
