@@ -259,11 +259,17 @@ class CudaBackend final : public Backend {
   static constexpr MoeMode kDefaultMoe = MoeMode::Grouped;
   static constexpr bool kDefaultBatchAttention = true;
   MoeMode moe_mode_ = kDefaultMoe;
-  // TIERMOE_CUDA_MOE_GROUPED_MIN_T: smallest T for the grouped kernels. 9: up to kGemvMaxT tokens the
-  // per-(token, k) kernels with the router in the o projection took 10-38% less time per step than
-  // the grouped ones (docs/benchmarks.md, "Fused MoE layer against an unfused one").
-  static constexpr int kGroupedMinT = cuda::kGemvMaxT + 1;
-  int grouped_min_t_ = kGroupedMinT;
+  // Which T the grouped kernels take: above kGemvMaxT always; from T = 2 where the T K (token, k)
+  // entries are at least the E experts. Below that the per-(token, k) kernels with the router in the
+  // o projection took 10-38% less time per step than the grouped ones (docs/benchmarks.md, "Fused MoE
+  // layer against an unfused one"); from there an expert is picked about once per token on average,
+  // so the grouped kernels read ~(1 - 1/e) of the rows the per-(token, k) ones read (OLMoE shape,
+  // B = 8: -6.3% per step). TIERMOE_CUDA_MOE_GROUPED_MIN_T=N: from T = N instead (0: this rule).
+  bool grouped_at(int T) const {
+    if (grouped_min_t_ > 0) return T >= grouped_min_t_;
+    return T > cuda::kGemvMaxT || (T >= 2 && T * cfg_.top_k >= cfg_.num_experts);
+  }
+  int grouped_min_t_ = 0;
   bool grouped_mma_ = true;  // the grouped kernels on the tensor cores (TIERMOE_CUDA_GROUPED_MMA=0: CUDA cores)
   bool route_in_oproj_ = true;  // TIERMOE_CUDA_ROUTE=kernel: false
   static constexpr int kMoeGroupedMaxT = 64;
@@ -358,7 +364,7 @@ void CudaBackend::read_switches() {
     else throw InputError(std::string("TIERMOE_CUDA_MOE=") + e + ": expected grouped, fused or unfused");
   }
   const char* min_t = std::getenv("TIERMOE_CUDA_MOE_GROUPED_MIN_T");
-  const int grouped_min_t = min_t ? std::max(1, std::atoi(min_t)) : kGroupedMinT;
+  const int grouped_min_t = min_t ? std::max(0, std::atoi(min_t)) : 0;
   const char* ba = std::getenv("TIERMOE_CUDA_BATCH_ATTN");
   const bool batch_attention = ba ? ba[0] == '1' : kDefaultBatchAttention;
   const char* btc = std::getenv("TIERMOE_CUDA_BATCH_TC");
@@ -588,7 +594,7 @@ void CudaBackend::mlp(const DLinear& gu, const DLinear& down, int T, float* out,
 }
 
 CudaBackend::MoePath CudaBackend::moe_path(int T) const {
-  if (moe_mode_ == MoeMode::Grouped && T >= grouped_min_t_ && T <= kMoeGroupedMaxT &&
+  if (moe_mode_ == MoeMode::Grouped && grouped_at(T) && T <= kMoeGroupedMaxT &&
       T * cfg_.top_k <= cuda::kMoeGroupedMaxTK)
     return MoePath::Grouped;
   return T <= cuda::kGemvMaxT && moe_mode_ != MoeMode::Unfused ? MoePath::Fused : MoePath::Experts;

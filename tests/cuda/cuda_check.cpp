@@ -1549,14 +1549,16 @@ int batchtable_main(int argc, char** argv) {
   // grouped_from_2: the grouped MoE kernels from T = 2 (the default until 6d1688f); cuda_core_attn:
   // the default's MoE kernels, batch attention never on the tensor cores (before the batched
   // tensor-core decode); grouped_cuda_cores: the default with the grouped MoE kernels on the CUDA
-  // cores (before they moved to the tensor cores); default: grouped from T = 9 on the tensor
-  // cores, attention on the tensor cores where the batch-1 rule would take them for the longest
-  // sequence.
+  // cores (before they moved to the tensor cores); grouped_from_9: the default with the grouped
+  // kernels from T = 9 only (the default until T K >= E took them from T = 2); default: grouped
+  // from T = 9, and from T = 2 where T K >= E, on the tensor cores, attention on the tensor cores
+  // where the batch-1 rule would take them for the longest sequence.
   const Variant variants[] = {{"before", "fused", "2", "0", "0", "1"},
                               {"grouped_from_2", "grouped", "2", "1", "0", "1"},
-                              {"cuda_core_attn", "grouped", "9", "1", "0", "1"},
-                              {"grouped_cuda_cores", "grouped", "9", "1", "1", "0"},
-                              {"default", "grouped", "9", "1", "1", "1"}};
+                              {"cuda_core_attn", "grouped", "0", "1", "0", "1"},
+                              {"grouped_cuda_cores", "grouped", "0", "1", "1", "0"},
+                              {"grouped_from_9", "grouped", "9", "1", "1", "1"},
+                              {"default", "grouped", "0", "1", "1", "1"}};
   for (int B : batches) {
     std::vector<int32_t> tokens_first_variant;
     for (const Variant& v : variants) {
