@@ -273,6 +273,11 @@ class CudaBackend final : public Backend {
   int grouped_min_t_ = 0;
   bool grouped_mma_ = true;  // the grouped kernels on the tensor cores (TIERMOE_CUDA_GROUPED_MMA=0: CUDA cores)
   bool route_in_oproj_ = true;  // TIERMOE_CUDA_ROUTE=kernel: false
+  // The grouped kernels' routing at T <= kGemvMaxT: RMSNorm, the router GEMV and route_topk as three
+  // launches, or moe_route (TIERMOE_CUDA_GROUPED_ROUTE=kernel), whose one cluster of blocks takes
+  // all T tokens: 58.8 us per layer at the OLMoE shape, B = 8 (ncu), and 7.5% / 4.9% slower per
+  // step there and on Mixtral at B = 8 (docs/benchmarks.md, "Grouped MoE at small batches").
+  bool grouped_route_kernel_ = false;
   static constexpr int kMoeGroupedMaxT = 64;
   float* moe_y_ = nullptr;  // grouped / expert-GEMM down projection, [(t, k) rows, D]
   int32_t *moe_rows_ = nullptr, *moe_tiles_ = nullptr;  // moe_sort's output for prompt chunks
@@ -375,9 +380,12 @@ void CudaBackend::read_switches() {
     else if (std::strcmp(e, "oproj") != 0)
       throw InputError(std::string("TIERMOE_CUDA_ROUTE=") + e + ": expected oproj or kernel");
   }
+  const char* gr = std::getenv("TIERMOE_CUDA_GROUPED_ROUTE");
+  const bool grouped_route_kernel = gr && std::strcmp(gr, "kernel") == 0;
   const char* gm = std::getenv("TIERMOE_CUDA_GROUPED_MMA");  // 0: the grouped kernels on the CUDA cores
   const bool grouped_mma = !(gm && gm[0] == '0');
-  if (mode != moe_mode_ || grouped_min_t != grouped_min_t_ || in_oproj != route_in_oproj_ || grouped_mma != grouped_mma_) {
+  if (mode != moe_mode_ || grouped_min_t != grouped_min_t_ || in_oproj != route_in_oproj_ || grouped_mma != grouped_mma_ ||
+      grouped_route_kernel != grouped_route_kernel_) {
     for (auto& [key, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
     graphs_.clear();
   }
@@ -385,6 +393,7 @@ void CudaBackend::read_switches() {
   grouped_min_t_ = grouped_min_t;
   route_in_oproj_ = in_oproj;
   grouped_mma_ = grouped_mma;
+  grouped_route_kernel_ = grouped_route_kernel;
   cuda::set_moe_grouped_mma(grouped_mma);
   batch_attention_ = batch_attention;
   batch_tc_allowed_ = !(btc && btc[0] == '0');
@@ -611,7 +620,7 @@ void CudaBackend::moe(const DLayer& L, int T, bool logits_in_acc) {
     CUDA_CK(cuda::moe_down(x_, act_, L.experts_down, topk_, wts_, T, K, D, F, stream_, route_acc_, E));  // x += ...
     return;
   }
-  if ((fused || grouped) && T <= cuda::kGemvMaxT) {
+  if ((fused || (grouped && grouped_route_kernel_)) && T <= cuda::kGemvMaxT) {
     // norm, router, top-k in one launch, the logits on chip
     CUDA_CK(cuda::moe_route(h_, topk_, wts_, x_, L.ffn_norm, cfg_.rms_norm_eps, L.router.w, T, E, K, D,
                             cfg_.norm_topk_prob, stream_));
