@@ -261,8 +261,8 @@ class CudaBackend final : public Backend {
   MoeMode moe_mode_ = kDefaultMoe;
   // Which T the grouped kernels take: above kGemvMaxT always; from T = 2 where the T K (token, k)
   // entries are at least the E experts. Below that the per-(token, k) kernels with the router in the
-  // o projection took 10-38% less time per step than the grouped ones (docs/benchmarks.md, "Fused MoE
-  // layer against an unfused one"); from there an expert is picked about once per token on average,
+  // o projection took 5-23% less time per step than the grouped ones (docs/benchmarks.md, "Grouped
+  // MoE at small batches"); from there an expert is picked about once per token on average,
   // so the grouped kernels read ~(1 - 1/e) of the rows the per-(token, k) ones read (Mixtral B = 4 /
   // 8: -12.5% / -38.6% per step, OLMoE B = 8: -7.9%). TIERMOE_CUDA_MOE_GROUPED_MIN_T=N: from T = N
   // instead (0: this rule).
