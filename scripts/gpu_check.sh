@@ -10,7 +10,7 @@
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
 #   build (defaults, PDL off, BF16 prompt activations; new-nostage: no GEMV stage), interleaved in
 #   one run, then the kernel table; sanitize: compute-sanitizer on case ranges of the longest
-#   groups as parallel processes, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
+#   groups as parallel processes, spread over the machine's GPUs, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
 #   "Numerics, as measured" reports)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
 # carried, when the machine lacks the tokenizer's libraries), else built here with CMake.
@@ -42,13 +42,18 @@ if [ "$MODE" = sanitize ]; then  # no check first: each SAN_JOBS entry "tool gro
   # "racecheck sample_tokens 0:88 TIERMOE_CHECK_SAMPLE_BATCHED=1"), all in parallel, each cut off at SAN_S seconds;
   # one summary line per job in $OUT/summary.txt, the logs in $OUT/sanitize_logs.tar.xz (8 files come back).
   IFS=';' read -ra san_jobs <<< "${SAN_JOBS:-racecheck attention_prefill 0:8;racecheck attention_prefill 8:16;racecheck moe_prefill 0:12;memcheck sample_tokens 0:88}"
-  L=$(mktemp -d)
-  san_one() {  # tool group N:M [VAR=value ...]
+  # On a machine with several GPUs the jobs take them in turn (job i on GPU i mod n).
+  L=$(mktemp -d) n_gpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') job_i=0
+  san_one() {  # gpu tool group N:M [VAR=value ...]
+    local gpu=$1; shift
     local f=$L/$1_$2_${3/:/-}${4:+_x}.txt t0=$(date +%s)
-    env TIERMOE_CHECK_SKIP=$3 "${@:4}" timeout ${SAN_S:-440} compute-sanitizer --tool $1 $C --kernels-only $2 > $f 2>&1; local rc=$?
+    env CUDA_VISIBLE_DEVICES=$gpu TIERMOE_CHECK_SKIP=$3 "${@:4}" timeout ${SAN_S:-440} compute-sanitizer --tool $1 $C --kernels-only $2 > $f 2>&1; local rc=$?
     echo "$* rc=$rc $(( $(date +%s) - t0 ))s ok=$(grep -c '^ok' $f) fail=$(grep -c '^FAIL' $f) | $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1)" >> "$OUT/summary.txt"
   }
-  for job in "${san_jobs[@]}"; do san_one $job & done
+  for job in "${san_jobs[@]}"; do  # the GPU index is taken here: a background job's expansions happen in its own shell
+    gpu=$(( job_i % (n_gpu > 0 ? n_gpu : 1) )); job_i=$(( job_i + 1 ))
+    san_one $gpu $job &
+  done
   wait
   tar cf - -C $L . | xz -9 > "$OUT/sanitize_logs.tar.xz"
   sort "$OUT/summary.txt"; exit 0
