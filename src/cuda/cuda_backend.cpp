@@ -315,7 +315,7 @@ class CudaBackend final : public Backend {
     return cuda::decode_batch_splits(stepped, tile_keys, B * cfg_.num_kv_heads, resident, most);
   }
   int batch_splits_pin_ = -1;  // -1: decode_batch_splits
-  int tc_resident_blocks_ = -1, decode_resident_blocks_ = -1;  // the attention kernels' residency, asked once
+  int tc_resident_blocks_ = 0, decode_resident_blocks_ = 0;  // the attention kernels' residency (alloc_workspace)
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
@@ -470,6 +470,9 @@ void CudaBackend::alloc_workspace() {
   tables_ = dalloc<const int32_t*>(owned_, size_t(Tm));
   CUDA_CK(cudaMallocHost(&h_tables_, size_t(Tm) * sizeof(const int32_t*)));
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
+  decode_resident_blocks_ = cuda::attention_decode_resident_blocks(H, Hkv, Dh);
+  if (cuda::attention_prefill_supported(H, Hkv, Dh))
+    tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
   CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
@@ -832,15 +835,10 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
     int splits = 0, longest = 0;
     for (const Piece& p : pieces) splits = std::max(splits, p.n_splits), longest = std::max(longest, p.cache->length() + 1);
     batch_tc_ = batch_tc_allowed_ && tc_decode_keys(longest);
-    if (batch_tc_) {
-      if (tc_resident_blocks_ < 0)
-        tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(cfg_.head_dim, opts_.flash_split_p);
+    if (batch_tc_)
       splits = batch_splits(std::max(1, tc_decode_splits(longest)), longest, cuda::kPrefillTileKeys, tc_resident_blocks_, B);
-    } else {
-      if (decode_resident_blocks_ < 0)
-        decode_resident_blocks_ = cuda::attention_decode_resident_blocks(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
+    else
       splits = batch_splits(splits, longest, cuda::attention_decode_tile_keys(cfg_.head_dim), decode_resident_blocks_, B);
-    }
     if (size_t(B) * cfg_.num_heads * splits * (cfg_.head_dim + 2) > partial_cap_) {
       batch_tc_ = false;
     } else {
