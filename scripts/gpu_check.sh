@@ -37,26 +37,30 @@ if [ ! -x $C ]; then
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
-if [ "$MODE" = sanitize ]; then  # no check first: each SAN_JOBS entry "tool group N:M" is one process
-  # (TIERMOE_CHECK_SKIP=N:M: the group's cases N .. M-1; then VAR=value words for its environment, e.g.
-  # "racecheck sample_tokens 0:88 TIERMOE_CHECK_SAMPLE_BATCHED=1"), all in parallel, each cut off at SAN_S seconds;
-  # one summary line per job in $OUT/summary.txt, the logs in $OUT/sanitize_logs.tar.xz (8 files come back).
+if [ "$MODE" = sanitize ]; then  # no check first: each SAN_JOBS entry "tool group N:M [word ...]" is one process
+  # (TIERMOE_CHECK_SKIP=N:M: the group's cases N .. M-1; VAR=value words go to its environment, e.g.
+  # "racecheck sample_tokens 0:88 TIERMOE_CHECK_SAMPLE_BATCHED=1", other words to compute-sanitizer, e.g.
+  # "--kernel-name kns=attention_prefill_kernel --launch-skip 2 --launch-count 1"), all in parallel, each
+  # cut off at SAN_S seconds; one summary line per job in $OUT/summary.txt, the logs in $OUT/sanitize_logs.tar.xz.
   IFS=';' read -ra san_jobs <<< "${SAN_JOBS:-racecheck attention_prefill 0:8;racecheck attention_prefill 8:16;racecheck moe_prefill 0:12;memcheck sample_tokens 0:88}"
   # On a machine with several GPUs the jobs take them in turn (job i on GPU i mod n).
   L=$(mktemp -d) n_gpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') job_i=0
-  san_one() {  # gpu tool group N:M [VAR=value ...]
-    local gpu=$1; shift
-    local f=$L/$1_$2_${3/:/-}${4:+_x}.txt t0=$(date +%s)
-    env CUDA_VISIBLE_DEVICES=$gpu TIERMOE_CHECK_SKIP=$3 "${@:4}" timeout ${SAN_S:-440} compute-sanitizer --tool $1 $C --kernels-only $2 > $f 2>&1; local rc=$?
-    echo "$* rc=$rc $(( $(date +%s) - t0 ))s ok=$(grep -c '^ok' $f) fail=$(grep -c '^FAIL' $f) | $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1)" >> "$OUT/summary.txt"
+  san_one() {  # job-index gpu tool group N:M [VAR=value | --option ...]
+    local i=$1 gpu=$2 tool=$3 group=$4 range=$5; shift 5
+    local envs=() opts=() w
+    for w in "$@"; do if [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else opts+=("$w"); fi; done
+    local f=$L/job${i}_${tool}_${group}_${range/:/-}.txt t0=$(date +%s)
+    env CUDA_VISIBLE_DEVICES=$gpu TIERMOE_CHECK_SKIP=$range "${envs[@]}" timeout ${SAN_S:-440} compute-sanitizer --tool $tool "${opts[@]}" $C --kernels-only $group > $f 2>&1; local rc=$?
+    echo "job $i gpu $gpu: $tool $group $range $* rc=$rc $(( $(date +%s) - t0 ))s ok=$(grep -c '^ok' $f) fail=$(grep -c '^FAIL' $f) | $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1)" >> "$OUT/summary.txt"
   }
   for job in "${san_jobs[@]}"; do  # the GPU index is taken here: a background job's expansions happen in its own shell
-    gpu=$(( job_i % (n_gpu > 0 ? n_gpu : 1) )); job_i=$(( job_i + 1 ))
-    san_one $gpu $job &
+    gpu=$(( job_i % (n_gpu > 0 ? n_gpu : 1) ))
+    san_one $job_i $gpu $job &
+    job_i=$(( job_i + 1 ))
   done
   wait
   tar cf - -C $L . | xz -9 > "$OUT/sanitize_logs.tar.xz"
-  sort "$OUT/summary.txt"; exit 0
+  sort -n -k2 "$OUT/summary.txt"; exit 0
 fi
 if [ "$MODE" = batch ]; then  # kernels first, the table, the models last (the longest part)
   log kernels; timeout 60 $C --kernels-only 2>&1 | tee "$OUT/check.txt"

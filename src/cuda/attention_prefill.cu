@@ -301,14 +301,19 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   }
 }
 
+// Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
+template <int DH, bool SPLIT_P, bool KEY_WARPS>
+cudaError_t opt_in_smem() {
+  static const cudaError_t e = cudaFuncSetAttribute(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
+  return e;
+}
+
 template <int DH, bool SPLIT_P, bool KEY_WARPS>
 cudaError_t launch_prefill_as(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
                               int Hkv, int n_splits, cudaStream_t s) {
   static_assert(size_t(kWarps) * 16 * (DH + 2) * sizeof(float) <= smem_bytes(DH), "merge_key_warps's buffer");
-  // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
-  static const cudaError_t opt_in = cudaFuncSetAttribute(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>,
-                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
-  if (opt_in != cudaSuccess) return opt_in;
+  if (const cudaError_t e = opt_in_smem<DH, SPLIT_P, KEY_WARPS>(); e != cudaSuccess) return e;
   const int G = H / Hkv, TQ = (KEY_WARPS ? 16 : kRows) / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
   const int tiles = kv.tables ? T : (T + TQ - 1) / TQ;  // a decode batch: a block per token
@@ -325,16 +330,22 @@ cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages k
                    : launch_prefill_as<DH, SPLIT_P, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
 }
 
+// Blocks of the decode form (KEY_WARPS) the GPU holds at once; 0 if not known.
+template <int DH, bool SPLIT_P>
+int decode_resident_blocks() {
+  int per_sm = 0;
+  if (opt_in_smem<DH, SPLIT_P, true>() != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_prefill_kernel<DH, SPLIT_P, true>, kThreads,
+                                                    smem_bytes(DH)) != cudaSuccess)
+    return 0;
+  return per_sm * sm_count();
+}
+
 }  // namespace
 
 int attention_prefill_decode_resident_blocks(int Dh, bool split_p) {
-  auto* kernel = Dh == 64 ? (split_p ? attention_prefill_kernel<64, true, true> : attention_prefill_kernel<64, false, true>)
-                          : (split_p ? attention_prefill_kernel<128, true, true> : attention_prefill_kernel<128, false, true>);
-  int per_sm = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(Dh))) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem_bytes(Dh)) != cudaSuccess)
-    return 0;
-  return per_sm * sm_count();
+  if (Dh == 64) return split_p ? decode_resident_blocks<64, true>() : decode_resident_blocks<64, false>();
+  return split_p ? decode_resident_blocks<128, true>() : decode_resident_blocks<128, false>();
 }
 
 bool attention_prefill_supported(int H, int Hkv, int Dh) {

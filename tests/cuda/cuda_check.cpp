@@ -80,6 +80,17 @@ bool skip_case(int& index) {
   return true;
 }
 
+// TIERMOE_CHECK_VARIANT=V: in the prompt-attention and prompt-chunk expert GEMM groups, only the V-th
+// variant of each case runs (counted from 0 in the order the case runs them), so that one case's
+// launches can go to several sanitizer processes. Unset: all.
+bool skip_variant(int variant) {
+  static const int only = [] {
+    const char* e = std::getenv("TIERMOE_CHECK_VARIANT");
+    return e ? std::atoi(e) : -1;
+  }();
+  return only >= 0 && variant != only;
+}
+
 void report(const std::string& name, double err, double tol, const std::string& extra = "") {
   const bool ok = err <= tol && !std::isnan(err);
   ++g_cases;
@@ -620,8 +631,10 @@ void check_moe_prefill() {
     Dev<uint16_t> dgw(m.gub), ddn(m.dnb), hi(size_t(TK) * std::max(c.D, c.F)), lo(hi.n);
     Dev<int32_t> di(m.ids), rows(P), tiles(P / cu::kMoeTileM);
     const bool pipelined_ok = c.D % 8 == 0 && c.F % 8 == 0;
+    int variant = 0;  // TIERMOE_CHECK_VARIANT: 0 .. 3 in this order
     for (bool pipelined : {false, true})
       for (bool split : {true, false}) {
+        if (skip_variant(variant++)) continue;
         if (pipelined && !pipelined_ok) continue;
         if (!split && c.T > 100) continue;
         // The first kernel at Mixtral's F: 4.91e-5 measured (H200, 2026-11-30), at the tolerance (its
@@ -785,24 +798,29 @@ void attention_prefill_cases(std::initializer_list<PrefillCase> cases) {
     prompt_attention_case(c.T, c.past, c.H, c.Hkv, c.Dh, [&](const auto& h, auto& dout, auto q, auto kv, auto pos) {
       const std::string name =
           fmt("attention_prefill T=%d past=%d G=%d Hkv=%d Dh=%d", c.T, c.past, c.H / c.Hkv, c.Hkv, c.Dh);
-      CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
-      const auto got = dout.get();
-      dout.poison();
-      CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
-      const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
-      const auto [e64, twin64] = attention_vs_f64(h, got, c.T, c.past, c.H, c.Hkv, c.Dh);
-      // 1e-5: measured <= 4.2e-6 (at 9000 keys), with the twin itself up to 2.4e-6 off a double reference.
-      report(name + " P hi+lo", rel(got, h.ref), 1e-5,
-             fmt("rerun %s; vs f64 %.1e (twin %.1e)", same ? "bit-identical" : "DIFFERS", e64, twin64));
-      if (!same) ++g_fail;
-      dout.poison();
-      CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, false, 0));
-      report(name + " P bf16", rel(dout.get(), h.ref), 5e-3);  // one BF16 rounding of P: measured <= 1.6e-3
+      if (!skip_variant(0)) {
+        CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
+        const auto got = dout.get();
+        dout.poison();
+        CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0));
+        const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
+        const auto [e64, twin64] = attention_vs_f64(h, got, c.T, c.past, c.H, c.Hkv, c.Dh);
+        // 1e-5: measured <= 4.2e-6 (at 9000 keys), with the twin itself up to 2.4e-6 off a double reference.
+        report(name + " P hi+lo", rel(got, h.ref), 1e-5,
+               fmt("rerun %s; vs f64 %.1e (twin %.1e)", same ? "bit-identical" : "DIFFERS", e64, twin64));
+        if (!same) ++g_fail;
+      }
+      if (!skip_variant(1)) {
+        dout.poison();
+        CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, false, 0));
+        report(name + " P bf16", rel(dout.get(), h.ref), 5e-3);  // one BF16 rounding of P: measured <= 1.6e-3
+      }
       // Key splits (merged by attention_merge_splits): 2, 3, and 40 (more shares than a short
       // context has tiles: empty splits, -inf partials), and 200 (more rows than the combine's 48 KB
-      // hold at Dh 64 and 128: merged in chunks) where T * H is small, twice (same bits).
+      // hold at Dh 64 and 128: merged in chunks) where T * H is small, twice (same bits). Variants 2 .. 5.
+      int variant = 2;
       for (int splits : {2, 3, 40, 200}) {
-        if (splits == 200 && c.T * c.H > 1024) continue;
+        if (skip_variant(variant++) || (splits == 200 && c.T * c.H > 1024)) continue;
         Dev<float> part(size_t(c.T) * c.H * splits * (c.Dh + 2));
         dout.poison();
         CK(cu::attention_prefill(dout.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0, part.p, splits));
@@ -1085,10 +1103,10 @@ void check_sampling() {
   // "zeros" (1 at 1%, +0 or -0 at 60%, -1 otherwise: the k-th logit is 0 of either sign),
   // "inf" (-inf at 50%, else N(0, 3)), "sparse" (-inf at 99%: the k-th logit is -inf), "equal" (all 0),
   // "masked" (N(0, 3) with every other logit -inf: zero-probability candidates end the sorted list).
-  // TIERMOE_CHECK_SAMPLE_BATCHED=1: the B > 1 cases alone (one launch each), for racecheck, under
-  // which the B = 1 cases' ~90 launches each take minutes (counted as skipped). The skip index counts
-  // every case either way.
-  const bool batched_only = std::getenv("TIERMOE_CHECK_SAMPLE_BATCHED") != nullptr;
+  // TIERMOE_CHECK_SAMPLE_BATCHED=1, for racecheck, under which every launch costs seconds: a B = 1
+  // case's 90 (params, u) rows go into one launch of 90 rows instead of 90 launches of one (each row
+  // has a block of its own either way, so the same code runs on the same rows).
+  const bool batched = std::getenv("TIERMOE_CHECK_SAMPLE_BATCHED") != nullptr;
   int index = 0;
   for (const char* kind : {"randn", "ties", "few", "zeros", "inf", "sparse", "equal", "masked"})
     for (int V : {7, 1000, 8192, 151936})
@@ -1096,18 +1114,17 @@ void check_sampling() {
         const bool masked = std::strcmp(kind, "masked") == 0;
         if (std::strcmp(kind, "randn") != 0 && V == 151936 && (B == 64 || (masked && B > 1))) continue;  // CPU time
         if (skip_case(index)) continue;
-        if (batched_only && B == 1) {
-          ++g_skipped;
-          continue;
-        }
         const auto params = params_for(V);
-        // B = 1: every (params, u) in its own launch; B > 1: row b takes params b % params.size().
-        const int launches = B == 1 ? int(params.size() * (fixed_u.size() + 1)) : 1;
+        // B = 1: every (params, u) in its own launch (or, batched, as the rows of one); B > 1: row b
+        // takes params b % params.size().
+        const int combos = int(params.size() * (fixed_u.size() + 1));
+        const bool one_per_launch = B == 1 && !batched;
+        const int launches = one_per_launch ? combos : 1, rows_per_launch = B == 1 && batched ? combos : B;
         int wrong = 0, boundary = 0, rows_checked = 0;
         bool same = true;
         std::string first_wrong;
         for (int launch = 0; launch < launches; ++launch) {
-          std::vector<float> l = randn(size_t(B) * V, 3.f);
+          std::vector<float> l = randn(size_t(rows_per_launch) * V, 3.f);
           const std::string k = kind;
           for (float& x : l) {
             const double q = unif(rng);
@@ -1119,11 +1136,11 @@ void check_sampling() {
           }
           if (masked)
             for (size_t i = 1; i < l.size(); i += 2) l[i] = -INFINITY;
-          std::vector<cu::SampleRowDevice> rows(B);
-          std::vector<SamplingParams> ps(B);
-          std::vector<double> us(B);
-          for (int b = 0; b < B; ++b) {
-            const int i = B == 1 ? launch : b;
+          std::vector<cu::SampleRowDevice> rows(rows_per_launch);
+          std::vector<SamplingParams> ps(rows_per_launch);
+          std::vector<double> us(rows_per_launch);
+          for (int b = 0; b < rows_per_launch; ++b) {
+            const int i = one_per_launch ? launch : b;
             ps[b] = params[size_t(i) % params.size()];
             const size_t ui = size_t(i) / params.size() % (fixed_u.size() + 1);
             us[b] = ui < fixed_u.size() ? fixed_u[ui] : unif(rng);
@@ -1131,8 +1148,8 @@ void check_sampling() {
           }
           Dev<float> dl(l);
           std::vector<int32_t> got;
-          same = run_sampling(dl, rows, B, V, got) && same;
-          for (int b = 0; b < B; ++b) {
+          same = run_sampling(dl, rows, rows_per_launch, V, got) && same;
+          for (int b = 0; b < rows_per_launch; ++b) {
             const std::span<const float> row(l.data() + size_t(b) * V, size_t(V));
             const Match m = classify(row, ps[b], us[b], got[b]);
             ++rows_checked;
@@ -1142,7 +1159,9 @@ void check_sampling() {
                                 ps[b].top_k, ps[b].top_p, us[b], got[b], sample_token(row, ps[b], us[b]));
           }
         }
-        report(fmt("sample_tokens %-6s V=%d B=%d (%d rows), wrong tokens", kind, V, B, rows_checked), wrong, 0,
+        report(fmt("sample_tokens %-6s V=%d B=%d (%d rows%s), wrong tokens", kind, V, B, rows_checked,
+                   B == 1 && batched ? " in one launch" : ""),
+               wrong, 0,
                fmt("boundary rows %d, two runs %s%s", boundary, same ? "identical" : "DIFFER", first_wrong.c_str()));
         if (!same) ++g_fail;
       }
@@ -1174,7 +1193,7 @@ void check_sampling() {
   // Timing, not a case: one launch, microseconds, V = 151936 (Qwen3's vocabulary). Left out when a
   // case range or the batched cases alone are asked for: under racecheck its 160 launches outlast
   // a device call.
-  const bool timing = !batched_only && !std::getenv("TIERMOE_CHECK_SKIP");
+  const bool timing = !batched && !std::getenv("TIERMOE_CHECK_SKIP");
   for (int B : {1, 8}) {
     if (!timing) break;
     const int V = 151936;
