@@ -315,6 +315,7 @@ class CudaBackend final : public Backend {
     return cuda::decode_batch_splits(stepped, tile_keys, B * cfg_.num_kv_heads, resident, most);
   }
   int batch_splits_pin_ = -1;  // -1: decode_batch_splits
+  bool sample_single_stage_ = false;  // TIERMOE_CUDA_SAMPLE_SLICES=1 (read_switches)
   int tc_resident_blocks_ = 0, decode_resident_blocks_ = 0;  // the attention kernels' residency (alloc_workspace)
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
@@ -399,6 +400,11 @@ void CudaBackend::read_switches() {
   batch_tc_allowed_ = !(btc && btc[0] == '0');
   const char* pin = std::getenv("TIERMOE_CUDA_BATCH_SPLITS");
   batch_splits_pin_ = pin ? std::max(0, std::atoi(pin)) : -1;
+  // Sampling runs outside the graphs. 1: the form before the slices (one block per row, and the
+  // sort's launches whether a row needs them or not).
+  const char* slices = std::getenv("TIERMOE_CUDA_SAMPLE_SLICES");
+  cuda::set_sample_max_slices(slices ? std::atoi(slices) : 0);
+  sample_single_stage_ = slices && std::atoi(slices) == 1;
 }
 
 // The page pool's size: kv_cache_bytes when given, else the GPU memory free once the weights and
@@ -776,9 +782,13 @@ void CudaBackend::sample_pass(std::span<const SampleRow> rows, int32_t* tokens) 
   if (n > 0) {
     CUDA_CK(cudaMemcpyAsync(sample_rows_, h_sample_rows_, size_t(n) * sizeof(cuda::SampleRowDevice),
                             cudaMemcpyHostToDevice, stream_));
-    for (int r = 0; r < n; r += kSampleRows)
-      CUDA_CK(cuda::sample_tokens(tokens_ + r, logits_ + size_t(r) * V, sample_rows_ + r, std::min(kSampleRows, n - r), V,
-                                  sample_scratch_, sample_scratch_bytes_, stream_));
+    for (int r = 0; r < n; r += kSampleRows) {
+      const int m = std::min(kSampleRows, n - r);
+      const auto sort_row = [V](const cuda::SampleRowDevice& row) { return cuda::sample_sort_row(row, V); };
+      const bool sort = sample_single_stage_ || std::any_of(h_sample_rows_ + r, h_sample_rows_ + r + m, sort_row);
+      CUDA_CK(cuda::sample_tokens(tokens_ + r, logits_ + size_t(r) * V, sample_rows_ + r, m, V, sample_scratch_,
+                                  sample_scratch_bytes_, stream_, sort));
+    }
     CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
   }
   CUDA_CK(cudaStreamSynchronize(stream_));  // also: the pinned inputs are free for the next pass

@@ -1,9 +1,11 @@
-// sample_tokens(): see sampling.h. Three launches, all stream-ordered: mark the rows to sort,
-// cub's segmented radix sort of the sort rows' (logit, id) pairs, then one block per row (which
-// selects and sorts its own top k first on a select row).
+// sample_tokens(): see sampling.h. Up to four launches, all stream-ordered: mark the rows to sort,
+// the argmax / top-k candidates of each slice of a row (large V), cub's segmented radix sort of the
+// sort rows' (logit, id) pairs, then one block per row (which selects and sorts its own top k first
+// on a select row, from its slices' candidates where there are slices).
 // Shape legend: B logits rows, V vocabulary.
 #include "cuda/sampling.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 
@@ -16,15 +18,21 @@ namespace tiermoe::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kSelectMax = 2 * kThreads;  // the largest top_k the select path takes: one pair per thread per sort stage
+constexpr int kSelectMax = kSampleSelectMax;  // one (key, id) pair per thread per bitonic stage
+static_assert(kSelectMax == 2 * kThreads, "select_top_k's sort");
+// Greedy and select rows of V >= 2 kSliceMin logits are cut into slices of at least kSliceMin, one
+// block each (select_slices), so that a row is not read by one block alone: at V = 151,936 that
+// block took 67 us for the argmax and 391 us for top_k 40. kSliceMin > kSelectMax: every slice has
+// k candidates.
+constexpr int kSliceMin = 4096, kMaxSlices = 64;
+static_assert(kSliceMin >= kSelectMax, "a slice yields k candidates");
+int g_max_slices = kMaxSlices;  // set_sample_max_slices
+int slices_for(int V) { return std::clamp(V / kSliceMin, 1, g_max_slices); }
 
 // Rows that take the argmax and need no sort: greedy ones, and V = 1 (cub leaves a one-element
-// segment unwritten).
-__device__ bool argmax_row(const SampleRowDevice& r, int V) { return r.temperature == 0.f || r.top_k == 1 || V == 1; }
-// Rows whose block selects its top k itself, instead of the segmented sort.
-__device__ bool select_row(const SampleRowDevice& r, int V) {
-  return !argmax_row(r, V) && r.top_k > 0 && r.top_k <= kSelectMax;
-}
+// segment unwritten). Select rows: the block selects its top k itself, instead of the sort.
+__device__ bool argmax_row(const SampleRowDevice& r, int V) { return sample_argmax_row(r, V); }
+__device__ bool select_row(const SampleRowDevice& r, int V) { return sample_select_row(r, V); }
 
 // The float as an unsigned integer of the same order (-inf lowest); -0 maps to +0's key, so that
 // they tie as in the sort (and on the CPU).
@@ -102,13 +110,16 @@ struct ArgMaxOp {  // the larger value; ties (and -inf rows) to the lower index,
 };
 
 // One block, on a select row: keys[0, k) and ids[0, k) = the row's top k (logit, id) pairs in the
-// sort's order (logit descending, ties by ascending id), k = min(top_k, V) <= kSelectMax.
+// sort's order (logit descending, ties by ascending id), k = min(top_k, V) <= kSelectMax. The id of
+// x[i] is id_of[i], or id_base + i without id_of; either way ids must ascend with i among equal
+// logits (the ties at the threshold are taken in index order).
 // A radix select of the k-th largest order_key, 8 bits per pass from the top (shared histogram of
 // the keys that match the digits found so far), gives the threshold key t and how many of the
 // keys equal to t are taken (need); the candidates are every key above t plus the `need`
 // lowest-index keys at t (each warp walks a contiguous slice in index order and ranks its keys at
 // t by ballot, after the warps before it); then a bitonic sort of the k in shared memory.
-__device__ void select_top_k(float* keys, int32_t* ids, const float* x, int V, int k) {
+__device__ void select_top_k(float* keys, int32_t* ids, const float* x, int V, int k, const int32_t* id_of = nullptr,
+                             int id_base = 0) {
   __shared__ unsigned hist[256];
   __shared__ unsigned long long cand[kSelectMax];  // (key << 32) | ~id: descending = the sort's order
   __shared__ unsigned found_prefix, found_need, found_at_t, taken;
@@ -175,7 +186,7 @@ __device__ void select_top_k(float* keys, int32_t* ids, const float* x, int V, i
     const uint32_t key = i < hi ? order_key(x[i]) : 0;
     const unsigned eq = __ballot_sync(0xffffffffu, i < hi && key == t);
     const bool take = i < hi && (key > t || (key == t && (all_at_t || rank + __popc(eq & ((1u << lane) - 1)) < need)));
-    if (take) cand[atomicAdd(&taken, 1u)] = (uint64_t(key) << 32) | ~uint32_t(i);
+    if (take) cand[atomicAdd(&taken, 1u)] = (uint64_t(key) << 32) | ~uint32_t(id_of ? id_of[i] : id_base + i);
     rank += __popc(eq);
   }
   int n = 2;  // the sort's size: a power of two >= k, padded with 0 (below every candidate)
@@ -195,19 +206,61 @@ __device__ void select_top_k(float* keys, int32_t* ids, const float* x, int V, i
       }
       __syncthreads();
     }
-  for (int i = tid; i < k; i += kThreads) {
+  for (int i = tid; i < k; i += kThreads) {  // x may be keys: every read of x is behind the barriers above
     keys[i] = key_float(uint32_t(cand[i] >> 32));
     ids[i] = int32_t(~uint32_t(cand[i]));
   }
   __syncthreads();  // the block's writes are visible to the block after this
 }
 
+// The argmax of x[0, n) (ids id_base + i), in every thread.
+template <class Reduce>
+__device__ Arg block_argmax(typename Reduce::TempStorage& tmp, const float* x, int n, int id_base,
+                            const int32_t* id_of = nullptr) {
+  __shared__ Arg result;
+  Arg best{0.f, INT_MAX};
+  for (int i = threadIdx.x; i < n; i += kThreads) best = ArgMaxOp()(best, Arg{x[i], id_of ? id_of[i] : id_base + i});
+  best = Reduce(tmp).Reduce(best, ArgMaxOp());
+  if (threadIdx.x == 0) result = best;
+  __syncthreads();
+  return result;
+}
+
+// grid (S, B), S = slices_for(V) > 1: slice s = [V s / S, V (s + 1) / S) of row b. A greedy row's
+// block writes its slice's argmax to keys[b, s] / ids_in[b, s]; a select row's block its slice's top
+// k, sorted, to keys[b, s k ..] / ids_in[b, s k ..]. The row's block in sample_rows then reduces
+// those (a top k of the row is a top k of the slices' top k's: S k <= V candidates, and those tied
+// at any logit come in ascending id order, slice after slice). Sort rows: nothing.
+__global__ void __launch_bounds__(kThreads) select_slices(float* keys, int32_t* ids_in, const float* logits,
+                                                          const SampleRowDevice* rows, int V) {
+  using ReduceA = cub::BlockReduce<Arg, kThreads>;
+  __shared__ typename ReduceA::TempStorage tmp;
+  const int s = blockIdx.x, S = gridDim.x, b = blockIdx.y;
+  const SampleRowDevice row = rows[b];
+  const int lo = int(int64_t(V) * s / S), hi = int(int64_t(V) * (s + 1) / S);
+  const float* x = logits + size_t(b) * V;
+  float* ko = keys + size_t(b) * V;
+  int32_t* io = ids_in + size_t(b) * V;
+  if (argmax_row(row, V)) {
+    const Arg best = block_argmax<ReduceA>(tmp, x + lo, hi - lo, lo);
+    if (threadIdx.x == 0) {
+      ko[s] = best.v;
+      io[s] = best.i;
+    }
+  } else if (select_row(row, V)) {
+    const int k = row.top_k;  // <= kSelectMax <= kSliceMin <= hi - lo < V
+    select_top_k(ko + size_t(s) * k, io + size_t(s) * k, x + lo, hi - lo, k, nullptr, lo);
+  }
+}
+
 // grid B, block kThreads: tokens[b]. Sampled rows (sorted by the sort, or by select_top_k here): thread t owns the contiguous candidates
 // [t * chunk, (t + 1) * chunk) of the sorted row, so that a block scan of the threads' partial
 // sums plus a walk inside each chunk finds the same first index as the CPU's sequential walk.
 // Weights are recomputed (exp in double) at each pass rather than stored: no [B, V] doubles.
+// With S > 1 slices, greedy and select rows start from select_slices' candidates in keys / ids_in.
 __global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const float* logits, float* keys, int32_t* ids,
-                                                        const SampleRowDevice* rows, int V) {
+                                                        const int32_t* ids_in, const SampleRowDevice* rows, int V,
+                                                        int S, bool sorted) {
   using ReduceD = cub::BlockReduce<double, kThreads>;
   using ScanD = cub::BlockScan<double, kThreads>;
   using ReduceI = cub::BlockReduce<int, kThreads>;
@@ -222,16 +275,23 @@ __global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const f
   __shared__ int shared_i;
   const int b = blockIdx.x, tid = threadIdx.x;
   const SampleRowDevice row = rows[b];
+  float* row_keys = keys + size_t(b) * V;  // [V]
+  const int32_t* row_ids_in = ids_in + size_t(b) * V;
   if (argmax_row(row, V)) {
-    const float* x = logits + size_t(b) * V;  // [V]
-    Arg best{0.f, INT_MAX};
-    for (int i = tid; i < V; i += kThreads) best = ArgMaxOp()(best, Arg{x[i], i});
-    best = ReduceA(tmp.ra).Reduce(best, ArgMaxOp());
+    const Arg best = S > 1 ? block_argmax<ReduceA>(tmp.ra, row_keys, S, 0, row_ids_in)
+                           : block_argmax<ReduceA>(tmp.ra, logits + size_t(b) * V, V, 0);
     if (tid == 0) tokens[b] = best.i;
     return;
   }
+  if (!sorted && !select_row(row, V)) {  // a sort row, but the caller said there was none
+    if (tid == 0) tokens[b] = -1;
+    return;
+  }
   const int k = row.top_k > 0 && row.top_k < V ? row.top_k : V;
-  if (select_row(row, V)) select_top_k(keys + size_t(b) * V, ids + size_t(b) * V, logits + size_t(b) * V, V, k);
+  if (select_row(row, V)) {
+    if (S > 1) select_top_k(row_keys, ids + size_t(b) * V, row_keys, S * k, k, row_ids_in);
+    else select_top_k(row_keys, ids + size_t(b) * V, logits + size_t(b) * V, V, k);
+  }
   const float* sk = keys + size_t(b) * V;  // [V] sorted logits (the first k on a select row)
   const int32_t* si = ids + size_t(b) * V;  // [V] their ids
   const double mx = sk[0], temperature = row.temperature;
@@ -302,22 +362,28 @@ size_t sample_tokens_scratch_bytes(int B, int V) {
 }
 
 cudaError_t sample_tokens(int32_t* tokens, const float* logits, const SampleRowDevice* rows, int B, int V, void* scratch,
-                          size_t scratch_bytes, cudaStream_t s) {
+                          size_t scratch_bytes, cudaStream_t s, bool sort) {
   if (B < 1 || V < 1 || B > 65535 || size_t(B) * V > size_t(INT_MAX) || !tokens || !logits || !rows || !scratch)
     return cudaErrorInvalidValue;
   size_t temp = 0;
   if (const cudaError_t e = sort_temp_bytes(B, V, &temp); e != cudaSuccess) return e;
   Scratch sc = layout(scratch, B, V, temp);
   if (sc.total > scratch_bytes) return cudaErrorInvalidValue;
-  mark_rows<<<dim3((V + kThreads - 1) / kThreads, B), kThreads, 0, s>>>(sc.begin, sc.end, sc.ids_in, rows, V);
-  // Stable: equal logits keep their ids in ascending order, the CPU's tie rule.
-  if (const cudaError_t e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
-          sc.temp, sc.temp_bytes, logits, sc.keys, sc.ids_in, sc.ids_out, B * V, B, sc.begin, sc.end, 0,
-          int(sizeof(float) * 8), s);
-      e != cudaSuccess)
-    return e;
-  sample_rows<<<B, kThreads, 0, s>>>(tokens, logits, sc.keys, sc.ids_out, rows, V);
+  const int S = slices_for(V);
+  if (S > 1) select_slices<<<dim3(S, B), kThreads, 0, s>>>(sc.keys, sc.ids_in, logits, rows, V);
+  if (sort) {
+    mark_rows<<<dim3((V + kThreads - 1) / kThreads, B), kThreads, 0, s>>>(sc.begin, sc.end, sc.ids_in, rows, V);
+    // Stable: equal logits keep their ids in ascending order, the CPU's tie rule.
+    if (const cudaError_t e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
+            sc.temp, sc.temp_bytes, logits, sc.keys, sc.ids_in, sc.ids_out, B * V, B, sc.begin, sc.end, 0,
+            int(sizeof(float) * 8), s);
+        e != cudaSuccess)
+      return e;
+  }
+  sample_rows<<<B, kThreads, 0, s>>>(tokens, logits, sc.keys, sc.ids_out, sc.ids_in, rows, V, S, sort);
   return cudaGetLastError();
 }
+
+void set_sample_max_slices(int n) { g_max_slices = n >= 1 && n <= kMaxSlices ? n : kMaxSlices; }
 
 }  // namespace tiermoe::cuda

@@ -1069,19 +1069,20 @@ Match classify(std::span<const float> l, const SamplingParams& p, double u, int3
 
 cu::SampleRowDevice device_row(const SamplingParams& p, double u) { return {p.temperature, p.top_k, p.top_p, u}; }
 
-// Launches sample_tokens twice (scratch and output poisoned in between); false when the two
-// runs differ. tokens: the first run's.
+// Launches sample_tokens twice (scratch and output poisoned in between), the sort skipped when no
+// row needs it, as the backend does; false when the two runs differ. tokens: the first run's.
 bool run_sampling(const Dev<float>& logits, const std::vector<cu::SampleRowDevice>& rows, int B, int V,
                   std::vector<int32_t>& tokens) {
   Dev<cu::SampleRowDevice> dr(rows);
   Dev<int32_t> dt{size_t(B)};
   const size_t bytes = cu::sample_tokens_scratch_bytes(B, V);
   Dev<char> scratch(bytes);
-  CK(cu::sample_tokens(dt.p, logits.p, dr.p, B, V, scratch.p, bytes, 0));
+  const bool sort = std::any_of(rows.begin(), rows.end(), [V](const auto& r) { return cu::sample_sort_row(r, V); });
+  CK(cu::sample_tokens(dt.p, logits.p, dr.p, B, V, scratch.p, bytes, 0, sort));
   tokens = dt.get();
   dt.poison();
   scratch.poison();
-  CK(cu::sample_tokens(dt.p, logits.p, dr.p, B, V, scratch.p, bytes, 0));
+  CK(cu::sample_tokens(dt.p, logits.p, dr.p, B, V, scratch.p, bytes, 0, sort));
   return dt.get() == tokens;
 }
 
@@ -1190,13 +1191,32 @@ void check_sampling() {
            same ? "two runs identical" : "two runs DIFFER");
     if (!same) ++g_fail;
   }
-  // Timing, not a case: one launch, microseconds, V = 151936 (Qwen3's vocabulary). Left out when a
-  // case range or the batched cases alone are asked for: under racecheck its 160 launches outlast
-  // a device call.
+  {  // sort = false with a sort row among them: that row gets -1, the others their tokens
+    const int V = 9000;  // 2 slices
+    std::vector<float> l = randn(size_t(3) * V, 3.f);
+    const std::vector<cu::SampleRowDevice> rows = {device_row({0.f, 0, 1.f, 0}, 0.5), device_row({1.f, 0, 0.9f, 0}, 0.5),
+                                                   device_row({1.f, 40, 1.f, 0}, 0.5)};
+    Dev<float> dl(l);
+    Dev<cu::SampleRowDevice> dr(rows);
+    Dev<int32_t> dt{size_t(3)};
+    const size_t bytes = cu::sample_tokens_scratch_bytes(3, V);
+    Dev<char> scratch(bytes);
+    CK(cu::sample_tokens(dt.p, dl.p, dr.p, 3, V, scratch.p, bytes, 0, false));
+    const auto got = dt.get();
+    int wrong = got[1] != -1;
+    for (int b : {0, 2})
+      wrong += classify(std::span<const float>(l.data() + size_t(b) * V, size_t(V)),
+                        b == 0 ? SamplingParams{0.f, 0, 1.f, 0} : SamplingParams{1.f, 40, 1.f, 0}, 0.5,
+                        got[size_t(b)]) == Match::Wrong;
+    report("sample_tokens without the sort: a sort row gets -1, greedy and select rows their tokens", wrong, 0);
+  }
+  // Timing, not a case: one launch, microseconds, V = 151936 (Qwen3's vocabulary) and 8192 (the bench
+  // shapes'); greedy and select rows also with one block per row and the sort's launches
+  // (set_sample_max_slices(1), sort = true: the form before). Left out when a case range or the
+  // batched cases alone are asked for: under racecheck its launches outlast a device call.
   const bool timing = !batched && !std::getenv("TIERMOE_CHECK_SKIP");
-  for (int B : {1, 8}) {
+  for (auto [V, B] : {std::pair{151936, 1}, std::pair{151936, 8}, std::pair{8192, 1}}) {
     if (!timing) break;
-    const int V = 151936;
     Dev<float> dl(randn(size_t(B) * V, 3.f));
     Dev<int32_t> dt{size_t(B)};
     const size_t bytes = cu::sample_tokens_scratch_bytes(B, V);
@@ -1206,19 +1226,27 @@ void check_sampling() {
     CK(cudaEventCreate(&e1));
     std::string line;
     for (const SamplingParams& p : {SamplingParams{0.f, 0, 1.f, 0}, SamplingParams{0.8f, 40, 0.95f, 0},
-                                    SamplingParams{0.8f, 1024, 0.95f, 0}, SamplingParams{0.8f, 0, 0.95f, 0}}) {
-      Dev<cu::SampleRowDevice> dr(std::vector<cu::SampleRowDevice>(size_t(B), device_row(p, 0.5)));
-      const int iters = 20;
-      CK(cu::sample_tokens(dt.p, dl.p, dr.p, B, V, scratch.p, bytes, 0));
-      CK(cudaEventRecord(e0));
-      for (int i = 0; i < iters; ++i) CK(cu::sample_tokens(dt.p, dl.p, dr.p, B, V, scratch.p, bytes, 0));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      line += fmt("  %s %.1f us", p.temperature == 0.f ? "greedy" : p.top_k ? fmt("top_k %d", p.top_k).c_str() : "top_k 0 (sort)",
-                  ms * 1e3 / iters);
-    }
+                                    SamplingParams{0.8f, 1024, 0.95f, 0}, SamplingParams{0.8f, 0, 0.95f, 0}})
+      for (int slices : {1, 0}) {
+        if (slices == 1 && p.temperature != 0.f && p.top_k == 0) continue;  // the sort has no slices
+        cu::set_sample_max_slices(slices);
+        // slices = 1: the sort's launches too, as before the slices; else only where a row needs them
+        const cu::SampleRowDevice row = device_row(p, 0.5);
+        const bool sort = slices == 1 || cu::sample_sort_row(row, V);
+        Dev<cu::SampleRowDevice> dr(std::vector<cu::SampleRowDevice>(size_t(B), row));
+        const int iters = 20;
+        CK(cu::sample_tokens(dt.p, dl.p, dr.p, B, V, scratch.p, bytes, 0, sort));
+        CK(cudaEventRecord(e0));
+        for (int i = 0; i < iters; ++i) CK(cu::sample_tokens(dt.p, dl.p, dr.p, B, V, scratch.p, bytes, 0, sort));
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        const std::string what =
+            p.temperature == 0.f ? "greedy" : p.top_k ? fmt("top_k %d", p.top_k) : std::string("top_k 0 (sort)");
+        line += fmt("  %s%s %.1f us", what.c_str(), slices == 1 ? " (1 block/row)" : "", ms * 1e3 / iters);
+      }
+    cu::set_sample_max_slices(0);
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
     std::printf("timing sample_tokens V=%d B=%d per launch:%s\n", V, B, line.c_str());
