@@ -126,11 +126,9 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (void* p : owned_) cudaFree(p);
-    cudaFreeHost(h_ids_);
-    cudaFreeHost(h_pos_);
+    cudaFreeHost(h_step_in_);
     cudaFreeHost(h_logits_);
     cudaFreeHost(h_tables_);
-    cudaFreeHost(h_sample_rows_);
     cudaFreeHost(h_tokens_);
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
@@ -160,8 +158,15 @@ class CudaBackend final : public Backend {
     check_sample_rows(steps, rows);
     size_t done = 0;
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, nullptr, [&](const std::vector<SeqStep>& pass, float*) {
-      const int n = launch_pass(pass);
-      sample_pass(rows.subspan(done, size_t(n)), tokens + done);
+      int n = 0;
+      for (const SeqStep& s : pass) n += s.n_logits;
+      const std::span<const SampleRow> pass_rows = rows.subspan(done, size_t(n));
+      for (int r = 0; r < n; ++r) {
+        const SampleRow& row = pass_rows[size_t(r)];
+        h_sample_rows_[r] = {row.params.temperature, row.params.top_k, row.params.top_p, row.u};
+      }
+      launch_pass(pass, n);
+      sample_pass(n, tokens + done);
       done += size_t(n);
     });
   }
@@ -213,8 +218,11 @@ class CudaBackend final : public Backend {
   void forward_pass(const std::vector<SeqStep>& pieces, float* logits);
   // Queues one pass (graph replay or eager launches) without waiting; its logits rows stay in
   // logits_. Returns how many rows.
-  int launch_pass(const std::vector<SeqStep>& pieces);
-  void sample_pass(std::span<const SampleRow> rows, int32_t* tokens);
+  // sample_rows: h_sample_rows_[0, sample_rows) hold the pass's sampling params, to go to the
+  // device with its token ids and positions.
+  int launch_pass(const std::vector<SeqStep>& pieces, int sample_rows = 0);
+  void copy_step_inputs(int T, int sample_rows);
+  void sample_pass(int n, int32_t* tokens);
   void run_layers(const std::vector<Piece>& pieces, int T, int n_logits);
   void linear(float* y, const float* x, const DLinear& W, int T, bool accumulate);
   void gemm(float* y, const bf16* xb, const bf16* w, int T, int N, int K, bool accumulate);
@@ -319,6 +327,15 @@ class CudaBackend final : public Backend {
   int tc_resident_blocks_ = 0, decode_resident_blocks_ = 0;  // the attention kernels' residency (alloc_workspace)
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
+  // A pass's inputs, token ids [Tm], positions [Tm] and sampling params [Tm], each in a row of
+  // step_in_pitch_ bytes of one block (device and pinned host): one 2D copy moves all three.
+  char *step_in_ = nullptr, *h_step_in_ = nullptr;
+  size_t step_in_pitch_ = 0;
+  // A pass whose every logits row is sampled greedily (at most kGemvMaxT rows): the LM head folds
+  // the argmax and argmax_tokens writes tokens_ inside the step, so sample_pass only copies them back.
+  bool greedy_pass_ = false, greedy_fold_ = true;  // TIERMOE_CUDA_GREEDY_FOLD=0 (read_switches): sample_tokens
+  unsigned long long* argmax_best_ = nullptr;      // [kGemvMaxT] slots, kRouterLogitStride apart, 0 between steps
+  bool merged_step_copy_ = true;  // TIERMOE_CUDA_STEP_COPY=0 (read_switches): a copy each, the params after the graph
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
   float* h_logits_ = nullptr;
   static constexpr int kPinnedLogitRows = 8;
@@ -353,6 +370,7 @@ class CudaBackend final : public Backend {
     const void* table = nullptr;
     int n_splits = 0, n_logits = 0, batch = 1;
     bool tc_attention = false;  // decode attention on the tensor cores (tc_decode())
+    bool greedy = false;        // the tokens' argmax in the LM head (greedy_pass_)
     auto operator<=>(const GraphKey&) const = default;
   };
   std::map<GraphKey, cudaGraphExec_t> graphs_;
@@ -405,6 +423,10 @@ void CudaBackend::read_switches() {
   const char* slices = std::getenv("TIERMOE_CUDA_SAMPLE_SLICES");
   cuda::set_sample_max_slices(slices ? std::atoi(slices) : 0);
   sample_single_stage_ = slices && std::atoi(slices) == 1;
+  const char* fold = std::getenv("TIERMOE_CUDA_GREEDY_FOLD");
+  greedy_fold_ = !(fold && fold[0] == '0');
+  const char* step_copy = std::getenv("TIERMOE_CUDA_STEP_COPY");
+  merged_step_copy_ = !(step_copy && step_copy[0] == '0');
 }
 
 // The page pool's size: kv_cache_bytes when given, else the GPU memory free once the weights and
@@ -456,10 +478,20 @@ void CudaBackend::alloc_workspace() {
   const size_t acc_n = size_t(cuda::kGemvMaxT) * E * cuda::kRouterLogitStride;
   route_acc_ = dalloc<long long>(owned_, acc_n);
   CUDA_CK(cudaMemset(route_acc_, 0, acc_n * sizeof(long long)));
+  const size_t best_n = size_t(cuda::kGemvMaxT) * cuda::kRouterLogitStride;
+  argmax_best_ = dalloc<unsigned long long>(owned_, best_n);
+  CUDA_CK(cudaMemset(argmax_best_, 0, best_n * sizeof(unsigned long long)));
   sg_ = dalloc<float>(owned_, size_t(Tm));
   logits_ = dalloc<float>(owned_, size_t(Tm) * cfg_.vocab_size);
-  ids_ = dalloc<int32_t>(owned_, size_t(Tm));
-  pos_ = dalloc<int32_t>(owned_, size_t(Tm));
+  step_in_pitch_ = size_t(Tm) * sizeof(cuda::SampleRowDevice);  // the widest of the three rows
+  step_in_ = dalloc<char>(owned_, 3 * step_in_pitch_);
+  CUDA_CK(cudaMallocHost(&h_step_in_, 3 * step_in_pitch_));
+  ids_ = reinterpret_cast<int32_t*>(step_in_);
+  pos_ = reinterpret_cast<int32_t*>(step_in_ + step_in_pitch_);
+  sample_rows_ = reinterpret_cast<cuda::SampleRowDevice*>(step_in_ + 2 * step_in_pitch_);
+  h_ids_ = reinterpret_cast<int32_t*>(h_step_in_);
+  h_pos_ = reinterpret_cast<int32_t*>(h_step_in_ + step_in_pitch_);
+  h_sample_rows_ = reinterpret_cast<cuda::SampleRowDevice*>(h_step_in_ + 2 * step_in_pitch_);
   // BF16 GEMM inputs: a chunk's activations, or (pipelined expert GEMMs) its [(t, k), F] rows.
   const size_t xb_n = std::max(size_t(Tm) * std::max({D, H * Dh, F}),
                                cfg_.num_experts > 0 && opts_.pipelined_moe_gemm ? moe_rows * F : 0);
@@ -479,12 +511,8 @@ void CudaBackend::alloc_workspace() {
   decode_resident_blocks_ = cuda::attention_decode_resident_blocks(H, Hkv, Dh);
   if (cuda::attention_prefill_supported(H, Hkv, Dh))
     tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
-  CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
-  CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
-  sample_rows_ = dalloc<cuda::SampleRowDevice>(owned_, size_t(Tm));
   tokens_ = dalloc<int32_t>(owned_, size_t(Tm));
-  CUDA_CK(cudaMallocHost(&h_sample_rows_, size_t(Tm) * sizeof(cuda::SampleRowDevice)));
   CUDA_CK(cudaMallocHost(&h_tokens_, size_t(Tm) * 4));
   sample_scratch_bytes_ = cuda::sample_tokens_scratch_bytes(std::min(Tm, kSampleRows), cfg_.vocab_size);
   CHECK_MSG(sample_scratch_bytes_ > 0, "sampling scratch: vocabulary too large");
@@ -750,7 +778,11 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                                 cudaMemcpyDeviceToDevice, stream_));
       row += p.n_logits;
     }
-    if (n_logits <= cuda::kGemvMaxT) {  // the final norm folded into the LM head
+    if (n_logits <= cuda::kGemvMaxT && greedy_pass_) {  // the final norm and the argmax folded into the LM head
+      CUDA_CK(cuda::gemv_argmax(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, final_norm_, eps,
+                                argmax_best_, stream_));
+      CUDA_CK(cuda::argmax_tokens(tokens_, argmax_best_, n_logits, stream_));
+    } else if (n_logits <= cuda::kGemvMaxT) {  // the final norm folded into the LM head
       CUDA_CK(cuda::gemv(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, false, stream_, final_norm_, eps));
     } else {
       CUDA_CK(cuda::rmsnorm(h_, h_, final_norm_, n_logits, D, eps, stream_));
@@ -774,15 +806,15 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
   }
 }
 
-// After the graph replay, outside it: the rows' params and u change at every step.
-void CudaBackend::sample_pass(std::span<const SampleRow> rows, int32_t* tokens) {
-  const int n = int(rows.size()), V = cfg_.vocab_size;
-  for (int r = 0; r < n; ++r)
-    h_sample_rows_[r] = {rows[r].params.temperature, rows[r].params.top_k, rows[r].params.top_p, rows[r].u};
+// After the graph replay, outside it: the rows' params and u change at every step (they went to the
+// device with the pass's inputs, copy_step_inputs).
+void CudaBackend::sample_pass(int n, int32_t* tokens) {
+  const int V = cfg_.vocab_size;
   if (n > 0) {
-    CUDA_CK(cudaMemcpyAsync(sample_rows_, h_sample_rows_, size_t(n) * sizeof(cuda::SampleRowDevice),
-                            cudaMemcpyHostToDevice, stream_));
-    for (int r = 0; r < n; r += kSampleRows) {
+    if (!merged_step_copy_)
+      CUDA_CK(cudaMemcpyAsync(sample_rows_, h_sample_rows_, size_t(n) * sizeof(cuda::SampleRowDevice),
+                              cudaMemcpyHostToDevice, stream_));
+    for (int r = 0; r < n && !greedy_pass_; r += kSampleRows) {  // greedy_pass_: tokens_ written in the step
       const int m = std::min(kSampleRows, n - r);
       const auto sort_row = [V](const cuda::SampleRowDevice& row) { return cuda::sample_sort_row(row, V); };
       const bool sort = sample_single_stage_ || std::any_of(h_sample_rows_ + r, h_sample_rows_ + r + m, sort_row);
@@ -795,7 +827,20 @@ void CudaBackend::sample_pass(std::span<const SampleRow> rows, int32_t* tokens) 
   if (n > 0) std::memcpy(tokens, h_tokens_, size_t(n) * 4);
 }
 
-int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
+// Token ids [T], positions [T] and sampling params [sample_rows] to the device: one 2D copy of
+// two or three rows (one launch before the graph instead of three, one of them after it).
+void CudaBackend::copy_step_inputs(int T, int sample_rows) {
+  if (!merged_step_copy_) {
+    CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+    return;
+  }
+  const size_t width = std::max(size_t(T) * 4, size_t(sample_rows) * sizeof(cuda::SampleRowDevice));
+  CUDA_CK(cudaMemcpy2DAsync(step_in_, step_in_pitch_, h_step_in_, step_in_pitch_, width, sample_rows > 0 ? 3 : 2,
+                            cudaMemcpyHostToDevice, stream_));
+}
+
+int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows) {
   read_switches();
   int T = 0, n_logits = 0;
   std::vector<Piece> pieces;
@@ -836,8 +881,12 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
   }
   if (tc_decode(pieces))
     if (const int splits = tc_decode_splits(pieces[0].cache->length() + pieces[0].n)) pieces[0].n_splits = splits;
-  CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
-  CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+  copy_step_inputs(T, sample_rows);
+  greedy_pass_ = greedy_fold_ && !sample_single_stage_ && sample_rows == n_logits && n_logits > 0 &&
+                 n_logits <= cuda::kGemvMaxT &&
+                 std::all_of(h_sample_rows_, h_sample_rows_ + n_logits, [V = cfg_.vocab_size](const auto& row) {
+                   return cuda::sample_argmax_row(row, V);
+                 });
   batch_splits_ = 0;
   batch_tc_ = false;
   const int B = int(pieces.size());
@@ -863,8 +912,8 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps) {
   // launch) run as captured graphs; a batch key is captured only once it has been seen before,
   // so one-off batch sizes stay eager (and cuBLAS has run eagerly before any capture).
   const bool decode_batch = B > 1 && batch_splits_ > 0 && n_logits == B;
-  GraphKey key{nullptr, batch_splits_, n_logits, B, batch_tc_};
-  if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces)};
+  GraphKey key{nullptr, batch_splits_, n_logits, B, batch_tc_, greedy_pass_};
+  if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces), greedy_pass_};
   bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
   if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;
   if (graph) {

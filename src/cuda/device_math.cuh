@@ -1,5 +1,5 @@
-// Small device helpers shared by the kernel files: BF16 unpacking, 16-byte weight loads, warp
-// reductions, SiLU; cp.async, ldmatrix and mma.sync m16n8k16 wrappers for the tensor-core kernels;
+// Small device helpers shared by the kernel files: BF16 unpacking, order-preserving float keys,
+// 16-byte weight loads, warp reductions, SiLU; cp.async, ldmatrix and mma.sync m16n8k16 wrappers for the tensor-core kernels;
 // paged KV row addressing.
 #pragma once
 #include <cstdint>
@@ -12,6 +12,21 @@
 namespace tiermoe::cuda {
 
 __device__ __forceinline__ float bf(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+// The float as an unsigned integer of the same order (-inf lowest); -0 maps to +0's key, so that
+// they tie as in the sort (and on the CPU). key_float inverts it (-0 comes back as +0).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t bits = __float_as_uint(f) & 0x7fffffffu ? __float_as_uint(f) : 0u;
+  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+__device__ __forceinline__ float key_float(uint32_t key) {
+  return __uint_as_float(key & 0x80000000u ? key & 0x7fffffffu : ~key);
+}
+// A (logit, id) pair as one integer whose order is the argmax's: the larger logit, ties to the
+// lower id; never 0, so that 0 can mean "none yet".
+__device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
+  return (static_cast<unsigned long long>(order_key(v)) << 32) | ~static_cast<uint32_t>(id);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -1,5 +1,6 @@
 // The GEMV kernels declared in kernels.h: gemv (one projection, optionally normed and
-// accumulating, optionally summing the router's logits) and gemv3 (three projections of one input).
+// accumulating, optionally summing the router's logits or folding each row's argmax) and gemv3
+// (three projections of one input).
 #include "cuda/gemv.cuh"
 
 namespace tiermoe::cuda {
@@ -10,11 +11,13 @@ constexpr int kGemvBlockRows = kWarps * kGemvRows;
 // With rl.acc: thread e < rl.E then adds its expert's share of the unscaled router logits over the
 // block's rows of y, rl.Wr[e, rows] . (y[t, rows] * rl.norm_w[rows]), into rl.acc[t, e] (y = h, the
 // residual stream after this projection; its weights are loaded before the wait).
+// With best: thread t < T then folds the block's rows of y[t] into best[t] (argmax_key, atomicMax;
+// read first, so that once a large logit is in, most blocks add no atomic).
 template <int TT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
                                                            bool accumulate, const float* __restrict__ nw, float eps,
-                                                           bool staged, RouterLogits rl) {
+                                                           bool staged, RouterLogits rl, unsigned long long* best) {
   __shared__ GemvStage st;
   const int d0 = blockIdx.x * kGemvBlockRows, n0 = d0 + (threadIdx.x >> 5) * kGemvRows, e = threadIdx.x;
   const bool routes = rl.acc && e < rl.E;
@@ -23,8 +26,15 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y
   for (int r = 0; r < kGemvBlockRows; ++r)
     wr[r] = routes && d0 + r < N ? bf(rl.Wr[size_t(e) * N + d0 + r]) * rl.norm_w[d0 + r] : 0.f;
   gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
-  if (!rl.acc) return;
+  if (!rl.acc && !best) return;
   __syncthreads();  // the block's rows of y are written
+  if (best && threadIdx.x < T) {
+    const int t = threadIdx.x;
+    unsigned long long key = 0;
+    for (int r = 0; r < kGemvBlockRows && d0 + r < N; ++r) key = max(key, argmax_key(y[size_t(t) * N + d0 + r], d0 + r));
+    unsigned long long* slot = best + size_t(t) * kRouterLogitStride;
+    if (key > __ldcg(slot)) atomicMax(slot, key);
+  }
   if (!routes) return;
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
@@ -68,6 +78,18 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
     for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
 }
 
+// tokens[t] = the id in best[t] (0 if none), and best[t] = 0 for the next step.
+__global__ void argmax_tokens_kernel(int32_t* tokens, unsigned long long* best, int T) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int t = threadIdx.x;
+  if (t >= T) return;
+  unsigned long long* slot = best + size_t(t) * kRouterLogitStride;
+  const unsigned long long key = *slot;
+  tokens[t] = key ? int32_t(~uint32_t(key)) : 0;
+  *slot = 0;
+}
+
 bool g_gemv_stage = true;  // TIERMOE_CUDA_GEMV_STAGE=0: the fold (each warp reads x itself)
 int g_gemv3_rows = 0;      // gemv3's rows per warp: 0 chosen per launch, else forced
 }  // namespace
@@ -79,25 +101,38 @@ void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 1 || rows == 2 ? rows : 0
 namespace {
 template <int TT>
 cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
-                        float eps, RouterLogits rl, cudaStream_t s) {
+                        float eps, RouterLogits rl, unsigned long long* best, cudaStream_t s) {
   const unsigned grid = unsigned((N + kGemvBlockRows - 1) / kGemvBlockRows);
   const bool staged = stage_fits(T, K);
   if (!nw)
-    return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl);
-  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl);
+    return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl,
+                  best);
+  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl,
+                best);
 }
 
 cudaError_t gemv_any(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* norm_w,
-                     float eps, RouterLogits rl, cudaStream_t s) {
+                     float eps, RouterLogits rl, cudaStream_t s, unsigned long long* best = nullptr) {
   if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
   cudaError_t e;
-  if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
-  else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
-  else if (T <= 4) e = launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
-  else e = launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, s);
+  if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, best, s);
+  else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, best, s);
+  else if (T <= 4) e = launch_gemv<4>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, best, s);
+  else e = launch_gemv<8>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, best, s);
   return e != cudaSuccess ? e : cudaGetLastError();
 }
 }  // namespace
+
+cudaError_t gemv_argmax(float* y, const float* x, const bf16* W, int T, int N, int K, const float* norm_w, float eps,
+                        unsigned long long* best, cudaStream_t s) {
+  if (!best) return cudaErrorInvalidValue;
+  return gemv_any(y, x, W, T, N, K, false, norm_w, eps, RouterLogits{}, s, best);
+}
+
+cudaError_t argmax_tokens(int32_t* tokens, unsigned long long* best, int T, cudaStream_t s) {
+  if (T <= 0 || T > kGemvMaxT || !tokens || !best) return cudaErrorInvalidValue;
+  return launch(argmax_tokens_kernel, 1, 32, 0, s, tokens, best, T);
+}
 
 cudaError_t gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, cudaStream_t s,
                  const float* norm_w, float eps) {

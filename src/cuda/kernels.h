@@ -110,6 +110,14 @@ struct RouterLogits {
   long long* acc = nullptr;       // [T, E] slots, kRouterLogitStride apart
   int E = 0;
 };
+// Greedy decoding inside a captured step: gemv (no accumulate) that also folds each token's argmax
+// over the N outputs into best[t * kRouterLogitStride] (the largest logit, ties to the lower index:
+// sample_token's greedy rule; best must hold 0 before); argmax_tokens then writes tokens[t] (0 when
+// N = 0) and zeroes best for the next step.                            twin: argmax
+cudaError_t gemv_argmax(float* y, const float* x, const bf16* W, int T, int N, int K, const float* norm_w, float eps,
+                        unsigned long long* best, cudaStream_t s);
+cudaError_t argmax_tokens(int32_t* tokens, unsigned long long* best, int T, cudaStream_t s);
+
 bool router_in_oproj_fits(int D, int E, int K);  // D % 8 == 0, D <= 4096, E <= kRouteMaxE, K <= min(E, kRouteMaxK)
 // y[T, N] += x[T, K] @ W[N, K]^T (gemv, accumulate) and acc[T, E] += Wr (y * norm_w) by row blocks.
 cudaError_t gemv_router_logits(float* y, const float* x, const bf16* W, int T, int N, int K, RouterLogits rl,

@@ -5,6 +5,8 @@
 // Shape legend: B logits rows, V vocabulary.
 #include "cuda/sampling.h"
 
+#include "cuda/device_math.cuh"
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -33,14 +35,6 @@ int slices_for(int V) { return std::clamp(V / kSliceMin, 1, g_max_slices); }
 // segment unwritten). Select rows: the block selects its top k itself, instead of the sort.
 __device__ bool argmax_row(const SampleRowDevice& r, int V) { return sample_argmax_row(r, V); }
 __device__ bool select_row(const SampleRowDevice& r, int V) { return sample_select_row(r, V); }
-
-// The float as an unsigned integer of the same order (-inf lowest); -0 maps to +0's key, so that
-// they tie as in the sort (and on the CPU).
-__device__ uint32_t order_key(float f) {
-  const uint32_t bits = __float_as_uint(f) & 0x7fffffffu ? __float_as_uint(f) : 0u;
-  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
-}
-__device__ float key_float(uint32_t key) { return __uint_as_float(key & 0x80000000u ? key & 0x7fffffffu : ~key); }
 
 // The scratch, carved in 256-byte aligned pieces.
 struct Scratch {

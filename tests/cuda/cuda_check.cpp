@@ -205,6 +205,52 @@ void check_gemv() {
   }
 }
 
+// The LM head with the greedy argmax folded in: each token's index must be argmax() of the GPU's own
+// outputs (exact: largest logit, ties to the lower index), the outputs those of gemv with the norm,
+// and argmax_tokens must leave best at 0 (a second launch gives the same). Ties: rows of W repeated
+// (the same row's dot products are the same bits), across blocks and within one; a row of -inf-free
+// equal logits (W zero).
+void check_gemv_argmax() {
+  struct C { int T, N, K; const char* kind; };
+  for (C c : {C{1, 1, 8, "random"}, C{1, 8192, 2048, "random"}, C{3, 1000, 64, "random"}, C{8, 37, 512, "random"},
+              C{1, 151936, 64, "random"}, C{2, 5000, 128, "ties"}, C{8, 300, 64, "ties"}, C{4, 100, 32, "zeros"}}) {
+    auto x = randn(size_t(c.T) * c.K, 3.f), nw = randn(c.K), w = randn(size_t(c.N) * c.K, 0.05f);
+    const std::string kind = c.kind;
+    if (kind == "ties")  // rows 3, 7, 11, ... repeat row 0 (8 rows per block: within and across blocks)
+      for (int n = 3; n < c.N; n += 4) std::copy_n(w.begin(), c.K, w.begin() + size_t(n) * c.K);
+    if (kind == "zeros") std::fill(w.begin(), w.end(), 0.f);
+    auto wb = bf16_of(w);
+    Dev<float> dx(x), dnw(nw), dy(size_t(c.T) * c.N), dy2(size_t(c.T) * c.N);
+    Dev<uint16_t> dw(wb);
+    Dev<unsigned long long> best(std::vector<unsigned long long>(size_t(cu::kGemvMaxT) * cu::kRouterLogitStride, 0));
+    Dev<int32_t> tokens{size_t(c.T)};
+    std::vector<int32_t> first;
+    int wrong = 0;
+    for (int run = 0; run < 2; ++run) {
+      dy.poison(), tokens.poison();
+      CK(cu::gemv_argmax(dy.p, dx.p, dw.p, c.T, c.N, c.K, dnw.p, 1e-5f, best.p, 0));
+      CK(cu::argmax_tokens(tokens.p, best.p, c.T, 0));
+      const auto y = dy.get();
+      const auto got = tokens.get();
+      for (int t = 0; t < c.T; ++t) wrong += got[t] != argmax(std::span(y.data() + size_t(t) * c.N, size_t(c.N)));
+      if (run == 0) first = got;
+      else wrong += got != first;
+    }
+    for (unsigned long long v : best.get()) wrong += v != 0;
+    CK(cu::gemv(dy2.p, dx.p, dw.p, c.T, c.N, c.K, false, 0, dnw.p, 1e-5f));
+    const bool same_y = dy.get() == dy2.get();
+    report(fmt("gemv_argmax T=%d N=%d K=%d %s: tokens vs argmax of its outputs, best reset", c.T, c.N, c.K, c.kind),
+           wrong, 0, same_y ? "outputs = gemv's, bit for bit" : "outputs DIFFER from gemv's");
+    if (!same_y) ++g_fail;
+  }
+  Dev<int32_t> tokens{size_t(1)};
+  const bool refused = cu::argmax_tokens(tokens.p, nullptr, 1, 0) == cudaErrorInvalidValue &&
+                       cu::argmax_tokens(tokens.p, reinterpret_cast<unsigned long long*>(tokens.p), 9, 0) ==
+                           cudaErrorInvalidValue &&
+                       cu::gemv_argmax(nullptr, nullptr, nullptr, 1, 1, 8, nullptr, 0.f, nullptr, 0) == cudaErrorInvalidValue;
+  report("gemv_argmax / argmax_tokens refuse a null best and T > 8", refused ? 0.0 : 1.0, 0.0);
+}
+
 void check_gemv3() {
   struct C { int T, Nq, Nk, K; };
   for (C c : {C{1, 4096, 512, 2048}, C{3, 64, 32, 64}, C{8, 96, 40, 48}, C{2, 24, 8, 20}}) {
@@ -1382,9 +1428,10 @@ void check_model_batch(const std::string& name, const ModelWeights& w, Backend& 
 //  2. CUDA forward_sample against the CPU backend's default forward_sample (each on its own
 //     sequence, the same seed): printed, not counted, since BF16-level logits differences can
 //     legitimately move a sampled token and the sequences then part.
+// Greedy (temperature 0) runs the same check on the path where the LM head folds the argmax
+// (greedy_pass_, captured steps included): there every token must equal argmax() of the logits.
 void check_model_sampling(const std::string& name, const ModelWeights& w, Backend& cpu, Backend& gpu,
-                          const std::vector<int32_t>& prompt, int steps) {
-  const SamplingParams p{0.8f, 0, 0.95f, 7};
+                          const std::vector<int32_t>& prompt, int steps, const SamplingParams p = {0.8f, 0, 0.95f, 7}) {
   const int V = w.cfg.vocab_size;
   Sampler sa(p), sc(p);
   auto ga = gpu.new_cache(), gb = gpu.new_cache(), cc = cpu.new_cache();
@@ -1406,10 +1453,11 @@ void check_model_sampling(const std::string& name, const ModelWeights& w, Backen
     if (!parted && ta == tc) ++agree_cpu;
     else parted = true;
   }
-  report(fmt("%s sampled decode %d steps: forward_sample vs sample_token on the GPU's logits", name.c_str(), steps),
+  const char* what = p.temperature == 0.f ? "greedy" : "sampled";
+  report(fmt("%s %s decode %d steps: forward_sample vs sample_token on the GPU's logits", name.c_str(), what, steps),
          wrong, 0, fmt("boundary steps %d", boundary));
-  std::printf("note   %s sampled decode: CUDA forward_sample and CPU forward_sample agree on %d of %d tokens%s\n",
-              name.c_str(), agree_cpu, steps + 1, parted ? " (then parted: BF16-level logits differences)" : "");
+  std::printf("note   %s %s decode: CUDA forward_sample and CPU forward_sample agree on %d of %d tokens%s\n",
+              name.c_str(), what, agree_cpu, steps + 1, parted ? " (then parted: BF16-level logits differences)" : "");
 }
 
 // The paged cache's pool at its limit, through the backend: a pool of 4 pages; sequence A takes 3,
@@ -1494,7 +1542,10 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   check_model_batch(name, *w, *cpu, *gpu, prompt, 3);  // a variant's batches too (the tensor-core decode's)
   check_model_batch(name, *w, *cpu, *gpu, prompt, 12);
   if (variant) return;
-  if (name == "tinymix-code") check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
+  if (name == "tinymix-code") {
+    check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
+    check_model_sampling(name, *w, *cpu, *gpu, prompt, steps, {0.f, 0, 1.f, 7});
+  }
   if (name == "tinymix-code") check_page_pool(*w, *gpu, prompt);
 }
 
@@ -1743,7 +1794,7 @@ int main(int argc, char** argv) {
   if (!models_only) {
     std::printf("== kernels vs CPU twins ==\n");
     const std::pair<const char*, void (*)()> checks[] = {
-        {"gemv", check_gemv}, {"gemv3", check_gemv3}, {"gemv3_rows", check_gemv3_rows}, {"gemv_unstaged", check_gemv_unstaged},
+        {"gemv", check_gemv}, {"gemv_argmax", check_gemv_argmax}, {"gemv3", check_gemv3}, {"gemv3_rows", check_gemv3_rows}, {"gemv_unstaged", check_gemv_unstaged},
         {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe_routed", check_moe_routed}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
