@@ -126,9 +126,11 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (void* p : owned_) cudaFree(p);
-    cudaFreeHost(h_step_in_);
+    cudaFreeHost(h_ids_);
+    cudaFreeHost(h_pos_);
     cudaFreeHost(h_logits_);
     cudaFreeHost(h_tables_);
+    cudaFreeHost(h_sample_rows_);
     cudaFreeHost(h_tokens_);
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
@@ -218,10 +220,8 @@ class CudaBackend final : public Backend {
   void forward_pass(const std::vector<SeqStep>& pieces, float* logits);
   // Queues one pass (graph replay or eager launches) without waiting; its logits rows stay in
   // logits_. Returns how many rows.
-  // sample_rows: h_sample_rows_[0, sample_rows) hold the pass's sampling params, to go to the
-  // device with its token ids and positions.
+  // sample_rows: h_sample_rows_[0, sample_rows) hold the pass's sampling params (greedy_pass_).
   int launch_pass(const std::vector<SeqStep>& pieces, int sample_rows = 0);
-  void copy_step_inputs(int T, int sample_rows);
   void sample_pass(int n, int32_t* tokens);
   void run_layers(const std::vector<Piece>& pieces, int T, int n_logits);
   void linear(float* y, const float* x, const DLinear& W, int T, bool accumulate);
@@ -327,15 +327,14 @@ class CudaBackend final : public Backend {
   int tc_resident_blocks_ = 0, decode_resident_blocks_ = 0;  // the attention kernels' residency (alloc_workspace)
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
-  // A pass's inputs, token ids [Tm], positions [Tm] and sampling params [Tm], each in a row of
-  // step_in_pitch_ bytes of one block (device and pinned host): one 2D copy moves all three.
-  char *step_in_ = nullptr, *h_step_in_ = nullptr;
-  size_t step_in_pitch_ = 0;
-  // A pass whose every logits row is sampled greedily (at most kGemvMaxT rows): the LM head folds
-  // the argmax and argmax_tokens writes tokens_ inside the step, so sample_pass only copies them back.
+  // A pass whose every logits row is sampled greedily (at most kGemvMaxT rows, a vocabulary of at
+  // most kGreedyFoldMaxVocab): the LM head folds the argmax and argmax_tokens writes tokens_ inside
+  // the step, so sample_pass only copies them back. Measured (docs/benchmarks.md): 1-2% faster per
+  // token at V = 8192, 0.6% slower at V = 151,936 (each of the LM head's 19K blocks reads its rows
+  // back before it exits), not measured in between.
+  static constexpr int kGreedyFoldMaxVocab = 16384;
   bool greedy_pass_ = false, greedy_fold_ = true;  // TIERMOE_CUDA_GREEDY_FOLD=0 (read_switches): sample_tokens
   unsigned long long* argmax_best_ = nullptr;      // [kGemvMaxT] slots, kRouterLogitStride apart, 0 between steps
-  bool merged_step_copy_ = true;  // TIERMOE_CUDA_STEP_COPY=0 (read_switches): a copy each, the params after the graph
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
   float* h_logits_ = nullptr;
   static constexpr int kPinnedLogitRows = 8;
@@ -425,8 +424,6 @@ void CudaBackend::read_switches() {
   sample_single_stage_ = slices && std::atoi(slices) == 1;
   const char* fold = std::getenv("TIERMOE_CUDA_GREEDY_FOLD");
   greedy_fold_ = !(fold && fold[0] == '0');
-  const char* step_copy = std::getenv("TIERMOE_CUDA_STEP_COPY");
-  merged_step_copy_ = !(step_copy && step_copy[0] == '0');
 }
 
 // The page pool's size: kv_cache_bytes when given, else the GPU memory free once the weights and
@@ -483,15 +480,8 @@ void CudaBackend::alloc_workspace() {
   CUDA_CK(cudaMemset(argmax_best_, 0, best_n * sizeof(unsigned long long)));
   sg_ = dalloc<float>(owned_, size_t(Tm));
   logits_ = dalloc<float>(owned_, size_t(Tm) * cfg_.vocab_size);
-  step_in_pitch_ = size_t(Tm) * sizeof(cuda::SampleRowDevice);  // the widest of the three rows
-  step_in_ = dalloc<char>(owned_, 3 * step_in_pitch_);
-  CUDA_CK(cudaMallocHost(&h_step_in_, 3 * step_in_pitch_));
-  ids_ = reinterpret_cast<int32_t*>(step_in_);
-  pos_ = reinterpret_cast<int32_t*>(step_in_ + step_in_pitch_);
-  sample_rows_ = reinterpret_cast<cuda::SampleRowDevice*>(step_in_ + 2 * step_in_pitch_);
-  h_ids_ = reinterpret_cast<int32_t*>(h_step_in_);
-  h_pos_ = reinterpret_cast<int32_t*>(h_step_in_ + step_in_pitch_);
-  h_sample_rows_ = reinterpret_cast<cuda::SampleRowDevice*>(h_step_in_ + 2 * step_in_pitch_);
+  ids_ = dalloc<int32_t>(owned_, size_t(Tm));
+  pos_ = dalloc<int32_t>(owned_, size_t(Tm));
   // BF16 GEMM inputs: a chunk's activations, or (pipelined expert GEMMs) its [(t, k), F] rows.
   const size_t xb_n = std::max(size_t(Tm) * std::max({D, H * Dh, F}),
                                cfg_.num_experts > 0 && opts_.pipelined_moe_gemm ? moe_rows * F : 0);
@@ -511,8 +501,12 @@ void CudaBackend::alloc_workspace() {
   decode_resident_blocks_ = cuda::attention_decode_resident_blocks(H, Hkv, Dh);
   if (cuda::attention_prefill_supported(H, Hkv, Dh))
     tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
+  CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
+  CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
   CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
+  sample_rows_ = dalloc<cuda::SampleRowDevice>(owned_, size_t(Tm));
   tokens_ = dalloc<int32_t>(owned_, size_t(Tm));
+  CUDA_CK(cudaMallocHost(&h_sample_rows_, size_t(Tm) * sizeof(cuda::SampleRowDevice)));
   CUDA_CK(cudaMallocHost(&h_tokens_, size_t(Tm) * 4));
   sample_scratch_bytes_ = cuda::sample_tokens_scratch_bytes(std::min(Tm, kSampleRows), cfg_.vocab_size);
   CHECK_MSG(sample_scratch_bytes_ > 0, "sampling scratch: vocabulary too large");
@@ -806,38 +800,24 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
   }
 }
 
-// After the graph replay, outside it: the rows' params and u change at every step (they went to the
-// device with the pass's inputs, copy_step_inputs).
+// After the graph replay, outside it: the rows' params and u change at every step. A greedy pass's
+// tokens are already in tokens_ (greedy_pass_).
 void CudaBackend::sample_pass(int n, int32_t* tokens) {
   const int V = cfg_.vocab_size;
-  if (n > 0) {
-    if (!merged_step_copy_)
-      CUDA_CK(cudaMemcpyAsync(sample_rows_, h_sample_rows_, size_t(n) * sizeof(cuda::SampleRowDevice),
-                              cudaMemcpyHostToDevice, stream_));
-    for (int r = 0; r < n && !greedy_pass_; r += kSampleRows) {  // greedy_pass_: tokens_ written in the step
+  if (n > 0 && !greedy_pass_) {
+    CUDA_CK(cudaMemcpyAsync(sample_rows_, h_sample_rows_, size_t(n) * sizeof(cuda::SampleRowDevice),
+                            cudaMemcpyHostToDevice, stream_));
+    for (int r = 0; r < n; r += kSampleRows) {
       const int m = std::min(kSampleRows, n - r);
       const auto sort_row = [V](const cuda::SampleRowDevice& row) { return cuda::sample_sort_row(row, V); };
       const bool sort = sample_single_stage_ || std::any_of(h_sample_rows_ + r, h_sample_rows_ + r + m, sort_row);
       CUDA_CK(cuda::sample_tokens(tokens_ + r, logits_ + size_t(r) * V, sample_rows_ + r, m, V, sample_scratch_,
                                   sample_scratch_bytes_, stream_, sort));
     }
-    CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
   }
+  if (n > 0) CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
   CUDA_CK(cudaStreamSynchronize(stream_));  // also: the pinned inputs are free for the next pass
   if (n > 0) std::memcpy(tokens, h_tokens_, size_t(n) * 4);
-}
-
-// Token ids [T], positions [T] and sampling params [sample_rows] to the device: one 2D copy of
-// two or three rows (one launch before the graph instead of three, one of them after it).
-void CudaBackend::copy_step_inputs(int T, int sample_rows) {
-  if (!merged_step_copy_) {
-    CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
-    return;
-  }
-  const size_t width = std::max(size_t(T) * 4, size_t(sample_rows) * sizeof(cuda::SampleRowDevice));
-  CUDA_CK(cudaMemcpy2DAsync(step_in_, step_in_pitch_, h_step_in_, step_in_pitch_, width, sample_rows > 0 ? 3 : 2,
-                            cudaMemcpyHostToDevice, stream_));
 }
 
 int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows) {
@@ -881,9 +861,10 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   }
   if (tc_decode(pieces))
     if (const int splits = tc_decode_splits(pieces[0].cache->length() + pieces[0].n)) pieces[0].n_splits = splits;
-  copy_step_inputs(T, sample_rows);
+  CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+  CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   greedy_pass_ = greedy_fold_ && !sample_single_stage_ && sample_rows == n_logits && n_logits > 0 &&
-                 n_logits <= cuda::kGemvMaxT &&
+                 n_logits <= cuda::kGemvMaxT && cfg_.vocab_size <= kGreedyFoldMaxVocab &&
                  std::all_of(h_sample_rows_, h_sample_rows_ + n_logits, [V = cfg_.vocab_size](const auto& row) {
                    return cuda::sample_argmax_row(row, V);
                  });
