@@ -809,8 +809,7 @@ void CudaBackend::sample_pass(int n, int32_t* tokens) {
                             cudaMemcpyHostToDevice, stream_));
     for (int r = 0; r < n; r += kSampleRows) {
       const int m = std::min(kSampleRows, n - r);
-      const auto sort_row = [V](const cuda::SampleRowDevice& row) { return cuda::sample_sort_row(row, V); };
-      const bool sort = sample_single_stage_ || std::any_of(h_sample_rows_ + r, h_sample_rows_ + r + m, sort_row);
+      const bool sort = sample_single_stage_ || cuda::sample_any_sort_row(h_sample_rows_ + r, m, V);
       CUDA_CK(cuda::sample_tokens(tokens_ + r, logits_ + size_t(r) * V, sample_rows_ + r, m, V, sample_scratch_,
                                   sample_scratch_bytes_, stream_, sort));
     }

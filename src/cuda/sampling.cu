@@ -31,10 +31,6 @@ static_assert(kSliceMin >= kSelectMax, "a slice yields k candidates");
 int g_max_slices = kMaxSlices;  // set_sample_max_slices
 int slices_for(int V) { return std::clamp(V / kSliceMin, 1, g_max_slices); }
 
-// Rows that take the argmax and need no sort: greedy ones, and V = 1 (cub leaves a one-element
-// segment unwritten). Select rows: the block selects its top k itself, instead of the sort.
-__device__ bool argmax_row(const SampleRowDevice& r, int V) { return sample_argmax_row(r, V); }
-__device__ bool select_row(const SampleRowDevice& r, int V) { return sample_select_row(r, V); }
 
 // The scratch, carved in 256-byte aligned pieces.
 struct Scratch {
@@ -82,13 +78,13 @@ Scratch layout(void* base, int B, int V, size_t temp_bytes) {
 // rows that do not select; the others get an empty segment).
 __global__ void mark_rows(int* begin, int* end, int32_t* ids, const SampleRowDevice* rows, int V) {
   const int b = blockIdx.y;
-  const bool greedy = argmax_row(rows[b], V) || select_row(rows[b], V);  // no sort
+  const bool sort = sample_sort_row(rows[b], V);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     begin[b] = b * V;
-    end[b] = greedy ? b * V : (b + 1) * V;
+    end[b] = sort ? (b + 1) * V : b * V;
   }
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (!greedy && i < V) ids[size_t(b) * V + i] = i;
+  if (sort && i < V) ids[size_t(b) * V + i] = i;
 }
 
 struct Arg {
@@ -235,13 +231,13 @@ __global__ void __launch_bounds__(kThreads) select_slices(float* keys, int32_t* 
   const float* x = logits + size_t(b) * V;
   float* ko = keys + size_t(b) * V;
   int32_t* io = ids_in + size_t(b) * V;
-  if (argmax_row(row, V)) {
+  if (sample_argmax_row(row, V)) {
     const Arg best = block_argmax<ReduceA>(tmp, x + lo, hi - lo, lo);
     if (threadIdx.x == 0) {
       ko[s] = best.v;
       io[s] = best.i;
     }
-  } else if (select_row(row, V)) {
+  } else if (sample_select_row(row, V)) {
     const int k = row.top_k;  // <= kSelectMax <= kSliceMin <= hi - lo < V
     select_top_k(ko + size_t(s) * k, io + size_t(s) * k, x + lo, hi - lo, k, nullptr, lo);
   }
@@ -271,18 +267,18 @@ __global__ void __launch_bounds__(kThreads) sample_rows(int32_t* tokens, const f
   const SampleRowDevice row = rows[b];
   float* row_keys = keys + size_t(b) * V;  // [V]
   const int32_t* row_ids_in = ids_in + size_t(b) * V;
-  if (argmax_row(row, V)) {
+  if (sample_argmax_row(row, V)) {
     const Arg best = S > 1 ? block_argmax<ReduceA>(tmp.ra, row_keys, S, 0, row_ids_in)
                            : block_argmax<ReduceA>(tmp.ra, logits + size_t(b) * V, V, 0);
     if (tid == 0) tokens[b] = best.i;
     return;
   }
-  if (!sorted && !select_row(row, V)) {  // a sort row, but the caller said there was none
+  if (!sorted && !sample_select_row(row, V)) {  // a sort row, but the caller said there was none
     if (tid == 0) tokens[b] = -1;
     return;
   }
   const int k = row.top_k > 0 && row.top_k < V ? row.top_k : V;
-  if (select_row(row, V)) {
+  if (sample_select_row(row, V)) {
     if (S > 1) select_top_k(row_keys, ids + size_t(b) * V, row_keys, S * k, k, row_ids_in);
     else select_top_k(row_keys, ids + size_t(b) * V, logits + size_t(b) * V, V, k);
   }

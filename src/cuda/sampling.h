@@ -20,8 +20,9 @@ struct SampleRowDevice {
 };
 
 // How sample_tokens() takes a row (the host and the device decide alike): greedy rows (temperature
-// 0 or top_k 1, or V = 1) take the argmax; select rows (0 < top_k <= kSampleSelectMax) a radix
-// select of their top k; the others (top_k 0 or larger) the segmented sort.
+// 0 or top_k 1, or V = 1: cub leaves a one-element segment unwritten) take the argmax; select rows
+// (0 < top_k <= kSampleSelectMax) a radix select of their top k, in their own block; the others
+// (top_k 0 or larger) the segmented sort.
 constexpr int kSampleSelectMax = 1024;
 __host__ __device__ inline bool sample_argmax_row(const SampleRowDevice& r, int V) {
   return r.temperature == 0.f || r.top_k == 1 || V == 1;
@@ -31,6 +32,12 @@ __host__ __device__ inline bool sample_select_row(const SampleRowDevice& r, int 
 }
 __host__ __device__ inline bool sample_sort_row(const SampleRowDevice& r, int V) {
   return !sample_argmax_row(r, V) && !sample_select_row(r, V);
+}
+// Whether any of rows[0, B) takes the sort: sample_tokens()'s `sort`.
+inline bool sample_any_sort_row(const SampleRowDevice* rows, int B, int V) {
+  for (int b = 0; b < B; ++b)
+    if (sample_sort_row(rows[b], V)) return true;
+  return false;
 }
 
 // Bytes of scratch sample_tokens() needs for B rows of V logits: the rows' sorted (logit, id)

@@ -1123,7 +1123,7 @@ bool run_sampling(const Dev<float>& logits, const std::vector<cu::SampleRowDevic
   Dev<int32_t> dt{size_t(B)};
   const size_t bytes = cu::sample_tokens_scratch_bytes(B, V);
   Dev<char> scratch(bytes);
-  const bool sort = std::any_of(rows.begin(), rows.end(), [V](const auto& r) { return cu::sample_sort_row(r, V); });
+  const bool sort = cu::sample_any_sort_row(rows.data(), B, V);
   CK(cu::sample_tokens(dt.p, logits.p, dr.p, B, V, scratch.p, bytes, 0, sort));
   tokens = dt.get();
   dt.poison();
