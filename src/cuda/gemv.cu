@@ -19,21 +19,27 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y
                                                            bool accumulate, const float* __restrict__ nw, float eps,
                                                            bool staged, RouterLogits rl, unsigned long long* best) {
   __shared__ GemvStage st;
-  const int d0 = blockIdx.x * kGemvBlockRows, n0 = d0 + (threadIdx.x >> 5) * kGemvRows, e = threadIdx.x;
+  __shared__ float kept[kGemvBlockRows][TT];  // with best: the block's outputs, kept on chip
+  const int d0 = blockIdx.x * kGemvBlockRows, warp = threadIdx.x >> 5, n0 = d0 + warp * kGemvRows, e = threadIdx.x;
   const bool routes = rl.acc && e < rl.E;
   float wr[kGemvBlockRows];
 #pragma unroll
   for (int r = 0; r < kGemvBlockRows; ++r)
     wr[r] = routes && d0 + r < N ? bf(rl.Wr[size_t(e) * N + d0 + r]) * rl.norm_w[d0 + r] : 0.f;
-  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
+  // The slot as this block starts: only a filter for the atomic below (a stale value just costs an
+  // atomic), read before the wait so that its round trip is off the block's tail. No kernel of this
+  // step writes it before the LM head; argmax_tokens of the step before cleared it.
+  unsigned long long* slot = best && threadIdx.x < T ? best + size_t(threadIdx.x) * kRouterLogitStride : nullptr;
+  const unsigned long long seen = slot ? __ldcg(slot) : 0;
+  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr,
+                      true, best ? &kept[warp * kGemvRows][0] : nullptr);
   if (!rl.acc && !best) return;
-  __syncthreads();  // the block's rows of y are written
-  if (best && threadIdx.x < T) {
+  __syncthreads();  // the block's rows of y are written (and kept)
+  if (slot) {
     const int t = threadIdx.x;
     unsigned long long key = 0;
-    for (int r = 0; r < kGemvBlockRows && d0 + r < N; ++r) key = max(key, argmax_key(y[size_t(t) * N + d0 + r], d0 + r));
-    unsigned long long* slot = best + size_t(t) * kRouterLogitStride;
-    if (key > __ldcg(slot)) atomicMax(slot, key);
+    for (int r = 0; r < kGemvBlockRows && d0 + r < N; ++r) key = max(key, argmax_key(kept[r][t], d0 + r));
+    if (key > seen) atomicMax(slot, key);
   }
   if (!routes) return;
 #pragma unroll
