@@ -332,7 +332,7 @@ class CudaBackend final : public Backend {
   // the step, so sample_pass only copies them back. Measured (docs/benchmarks.md): 1-2% faster per
   // token at V = 8192, 0.6% slower at V = 151,936 (each of the LM head's 19K blocks reads its rows
   // back before it exits), not measured in between.
-  static constexpr int kGreedyFoldMaxVocab = 16384;
+  static constexpr int kGreedyFoldMaxVocab = 1 << 30;  // wip/argmax-onchip: every vocabulary (to be measured)
   bool greedy_pass_ = false, greedy_fold_ = true;  // TIERMOE_CUDA_GREEDY_FOLD=0 (read_switches): sample_tokens
   unsigned long long* argmax_best_ = nullptr;      // [kGemvMaxT] slots, kRouterLogitStride apart, 0 between steps
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;

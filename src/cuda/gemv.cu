@@ -13,27 +13,33 @@ constexpr int kGemvBlockRows = kWarps * kGemvRows;
 // residual stream after this projection; its weights are loaded before the wait).
 // With best: thread t < T then folds the block's rows of y[t] into best[t] (argmax_key, atomicMax;
 // read first, so that once a large logit is in, most blocks add no atomic).
-template <int TT, bool NORM>
+template <int TT, bool NORM, bool ARGMAX>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
                                                            bool accumulate, const float* __restrict__ nw, float eps,
                                                            bool staged, RouterLogits rl, unsigned long long* best) {
   __shared__ GemvStage st;
-  const int d0 = blockIdx.x * kGemvBlockRows, n0 = d0 + (threadIdx.x >> 5) * kGemvRows, e = threadIdx.x;
+  __shared__ float kept[kGemvBlockRows][TT];  // with best: the block's outputs, kept on chip
+  const int d0 = blockIdx.x * kGemvBlockRows, warp = threadIdx.x >> 5, n0 = d0 + warp * kGemvRows, e = threadIdx.x;
   const bool routes = rl.acc && e < rl.E;
   float wr[kGemvBlockRows];
 #pragma unroll
   for (int r = 0; r < kGemvBlockRows; ++r)
     wr[r] = routes && d0 + r < N ? bf(rl.Wr[size_t(e) * N + d0 + r]) * rl.norm_w[d0 + r] : 0.f;
-  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
-  if (!rl.acc && !best) return;
-  __syncthreads();  // the block's rows of y are written
-  if (best && threadIdx.x < T) {
+  // The slot as this block starts: only a filter for the atomic below (a stale value just costs an
+  // atomic), read before the wait so that its round trip is off the block's tail. No kernel of this
+  // step writes it before the LM head; argmax_tokens of the step before cleared it.
+  unsigned long long* slot = ARGMAX && threadIdx.x < T ? best + size_t(threadIdx.x) * kRouterLogitStride : nullptr;
+  const unsigned long long seen = slot ? __ldcg(slot) : 0;
+  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr,
+                      true, ARGMAX ? &kept[warp * kGemvRows][0] : nullptr);
+  if (!rl.acc && !ARGMAX) return;
+  __syncthreads();  // the block's rows of y are written (and kept)
+  if (ARGMAX && slot) {
     const int t = threadIdx.x;
     unsigned long long key = 0;
-    for (int r = 0; r < kGemvBlockRows && d0 + r < N; ++r) key = max(key, argmax_key(y[size_t(t) * N + d0 + r], d0 + r));
-    unsigned long long* slot = best + size_t(t) * kRouterLogitStride;
-    if (key > __ldcg(slot)) atomicMax(slot, key);
+    for (int r = 0; r < kGemvBlockRows && d0 + r < N; ++r) key = max(key, argmax_key(kept[r][t], d0 + r));
+    if (key > seen) atomicMax(slot, key);
   }
   if (!routes) return;
 #pragma unroll
@@ -104,11 +110,16 @@ cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, i
                         float eps, RouterLogits rl, unsigned long long* best, cudaStream_t s) {
   const unsigned grid = unsigned((N + kGemvBlockRows - 1) / kGemvBlockRows);
   const bool staged = stage_fits(T, K);
+  // The argmax form only normed (the LM head): the other kernels keep their registers.
+  if (best && nw)
+    return launch(gemv_kernel<TT, true, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged,
+                  rl, best);
+  if (best) return cudaErrorInvalidValue;
   if (!nw)
-    return launch(gemv_kernel<TT, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl,
-                  best);
-  return launch(gemv_kernel<TT, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged, rl,
-                best);
+    return launch(gemv_kernel<TT, false, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps,
+                  staged, rl, best);
+  return launch(gemv_kernel<TT, true, false>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged,
+                rl, best);
 }
 
 cudaError_t gemv_any(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* norm_w,
@@ -125,7 +136,7 @@ cudaError_t gemv_any(float* y, const float* x, const bf16* W, int T, int N, int 
 
 cudaError_t gemv_argmax(float* y, const float* x, const bf16* W, int T, int N, int K, const float* norm_w, float eps,
                         unsigned long long* best, cudaStream_t s) {
-  if (!best) return cudaErrorInvalidValue;
+  if (!best || !norm_w) return cudaErrorInvalidValue;  // the LM head's form: with its final norm
   return gemv_any(y, x, W, T, N, K, false, norm_w, eps, RouterLogits{}, s, best);
 }
 

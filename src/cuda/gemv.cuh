@@ -114,14 +114,15 @@ __device__ __forceinline__ void prefetch_rows(float (&old)[NR][TT], const float*
 // The first round of weight loads is issued BEFORE pdl_wait(): no kernel writes weights, so under
 // programmatic launch they stream in while the previous kernel finishes. Calls pdl_wait() /
 // pdl_launch_dependents() itself; every thread of the block must call it (warps past N only
-// wait). inv_out[t] gets inv_t (NORM, n0 < N). With st (stage_fits(T, K), the same for the whole
+// wait). inv_out[t] gets inv_t (NORM, n0 < N); kept[r * TT + t] (shared memory, optional) a copy of
+// each written output. With st (stage_fits(T, K), the same for the whole
 // block) x is taken from the block's stage instead, staged here after the wait if `stage` is set
 // (every thread of the block must then be here: stage_x has barriers).
 template <int TT, bool NORM, int NR = kGemvRows>
 __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __restrict__ x,
                                           const float* __restrict__ nw, float eps, const bf16* __restrict__ W, int T,
                                           int N, int K, bool accumulate, int n0, int lane, float* inv_out = nullptr,
-                                          GemvStage* st = nullptr, bool stage = true) {
+                                          GemvStage* st = nullptr, bool stage = true, float* kept = nullptr) {
   constexpr int CH = kLoads / NR;
   const int nr = max(0, min(NR, N - n0));
   const bf16* w = W + size_t(nr > 0 ? n0 : 0) * K;
@@ -198,6 +199,7 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
       const float s = warp_sum(acc[r][t]) * inv;
       if (lane == 0 && r < nr) {
         y[size_t(t) * N + n0 + r] = accumulate ? old[r][t] + s : s;
+        if (kept) kept[r * TT + t] = accumulate ? old[r][t] + s : s;  // [NR][TT]: the caller's copy on chip
       }
     }
   }

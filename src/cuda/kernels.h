@@ -113,7 +113,7 @@ struct RouterLogits {
 // Greedy decoding inside a captured step: gemv (no accumulate) that also folds each token's argmax
 // over the N outputs into best[t * kRouterLogitStride] (the largest logit, ties to the lower index:
 // sample_token's greedy rule; best must hold 0 before); argmax_tokens then writes tokens[t] (0 when
-// N = 0) and zeroes best for the next step.                            twin: argmax
+// N = 0) and zeroes best for the next step. norm_w is required (the LM head's form). twin: argmax
 cudaError_t gemv_argmax(float* y, const float* x, const bf16* W, int T, int N, int K, const float* norm_w, float eps,
                         unsigned long long* best, cudaStream_t s);
 cudaError_t argmax_tokens(int32_t* tokens, unsigned long long* best, int T, cudaStream_t s);
