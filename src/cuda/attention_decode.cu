@@ -10,6 +10,7 @@
 // (token, KV head) to finish -- counted with an atomic, reset by that block for the next launch --
 // merges the splits' partial softmax results. When (KV head, split) blocks are few -- short
 // contexts, few KV heads -- HG blocks share a KV head, each with G / HG of its query heads.
+#include <algorithm>
 #include <cmath>
 
 #include <cuda_bf16.h>
@@ -30,6 +31,27 @@ __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
   f[2] = __uint_as_float(w.y << 16), f[3] = __uint_as_float(w.y & 0xffff0000u);
   f[4] = __uint_as_float(w.z << 16), f[5] = __uint_as_float(w.z & 0xffff0000u);
   f[6] = __uint_as_float(w.w << 16), f[7] = __uint_as_float(w.w & 0xffff0000u);
+}
+
+// 8 FP32 values rounded to BF16 as the cache stores them, packed for a 16-byte store.
+__device__ __forceinline__ uint4 bf16x8(const float* p) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w[j] = pack(__float2bfloat16_rn(p[2 * j]), __float2bfloat16_rn(p[2 * j + 1]));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// All threads of the block: KV head kvh of token t's new row (at pos_t, row pos_t - first_new of
+// k_new / v_new) into the cache.
+__device__ __forceinline__ void append_new_row(bf16* kc, bf16* vc, const int32_t* table, const float* k_new,
+                                               const float* v_new, int pos_t, int first_new, size_t row, int kvh,
+                                               int Dh) {
+  for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
+    const size_t src = size_t(pos_t - first_new) * row + size_t(kvh) * Dh + i;
+    const size_t dst = kv_row(table, pos_t) * row + size_t(kvh) * Dh + i;
+    reinterpret_cast<__nv_bfloat16*>(kc)[dst] = __float2bfloat16_rn(k_new[src]);
+    reinterpret_cast<__nv_bfloat16*>(vc)[dst] = __float2bfloat16_rn(v_new[src]);
+  }
 }
 
 // grid (Hkv * HG, n_splits, T), kWarpsPerBlock warps. GM >= G query heads per block (H / Hkv / HG). Dh = 8 * L with
@@ -93,12 +115,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 
   // This block's KV head of token t's new row goes into the cache, if its key falls in this split.
   if (hg == 0 && pos[t] >= start && pos[t] < start + split_len)
-    for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
-      const size_t src = size_t(pos[t] - first_new) * row + size_t(kvh) * Dh + i;
-      const size_t dst = kv_row(table, pos[t]) * row + size_t(kvh) * Dh + i;
-      reinterpret_cast<__nv_bfloat16*>(kc)[dst] = __float2bfloat16_rn(k_new[src]);
-      reinterpret_cast<__nv_bfloat16*>(vc)[dst] = __float2bfloat16_rn(v_new[src]);
-    }
+    append_new_row(kc, vc, table, k_new, v_new, pos[t], first_new, row, kvh, Dh);
 
   const float scale = rsqrtf(float(Dh));
   float qr[GM][8];  // phase A: this lane's 8 dims of every head's query
@@ -127,15 +144,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const int cached = t0 == start && first_cached >= 0 ? first_cached : load_cached(t0, nk);  // already cached
     for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
       const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
-      const float *pk = k_new + src, *pv = v_new + src;
-      uint32_t kw[4], vw[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        kw[j] = pack(__float2bfloat16_rn(pk[2 * j]), __float2bfloat16_rn(pk[2 * j + 1]));
-        vw[j] = pack(__float2bfloat16_rn(pv[2 * j]), __float2bfloat16_rn(pv[2 * j + 1]));
-      }
-      ktile[i] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
-      vtile[i] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
+      ktile[i] = bf16x8(k_new + src);
+      vtile[i] = bf16x8(v_new + src);
     }
     cp_async_commit();  // the whole tile in flight at once, one wait
     cp_async_wait<0>();
@@ -251,9 +261,158 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
                        wscale);
 }
 
+// One sequence, one query head per block (grid (H, n_splits, T)): the same attention with no
+// shared-memory tiles and no barrier per tile. Why: at G = 1 (OLMoE) the tiled kernel's phases
+// (scores, softmax, P V, each after a barrier) leave one instruction per ~10 cycles per warp at
+// 4096 keys -- its chains, not memory, bound it. Here L = Dh / 8 lanes share a key (16-byte loads of
+// its K and V rows into registers), each lane group keeps its own online softmax over kRound keys
+// at a time (their scores independent shuffle chains, one rescale per round), and the warps' and
+// groups' states are merged once at the end. The first round's cached rows are loaded before the
+// wait. At G > 1 every query head reads its KV head's rows itself (G times the K/V bytes).
+constexpr int kRound = 8;          // keys per lane group per round
+constexpr int kMergeFloats = 4352;  // the merge's stage: 33 splits of Dh = 128 in one chunk
+template <int Dh>
+__global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
+    float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
+    const float* __restrict__ q, bf16* kc, bf16* vc, const int32_t* table, const float* __restrict__ k_new,
+    const float* __restrict__ v_new, const int32_t* __restrict__ pos, int Hkv) {
+  constexpr int L = Dh / 8, slots = 32 / L, per_round = kWarpsPerBlock * slots * kRound;
+  const int h = blockIdx.x, H = gridDim.x, G = H / Hkv, kvh = h / G;
+  const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
+  const int first_new = pos[0], n = pos[t] + 1;
+  const int split_len = (pos[T - 1] + 1 + n_splits - 1) / n_splits;
+  const int start = s * split_len, end = min(n, start + split_len);
+  const size_t row = size_t(Hkv) * Dh;
+  // Round r's key u of this lane group: keys of a round are consecutive over (u, warp, group).
+  auto key_of = [&](int r0, int u) { return r0 + (u * kWarpsPerBlock + warp) * slots + sub; };
+  uint4 kw[kRound], vw[kRound];
+  auto load_cached = [&](int r0) {
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+      const int j = key_of(r0, u);
+      if (j < end && j < first_new) {
+        const size_t off = kv_row(table, j) * row + size_t(kvh) * Dh + part * 8;
+        kw[u] = ldg16(kc + off), vw[u] = ldg16(vc + off);
+      } else {
+        kw[u] = vw[u] = make_uint4(0, 0, 0, 0);  // past the split: its p is 0, and 0 * V must not be NaN
+      }
+    }
+  };
+  if (start < end) load_cached(start);  // no kernel of this pass writes the cached rows
+  pdl_wait();
+  pdl_launch_dependents();
+  if (h % G == 0 && pos[t] >= start && pos[t] < start + split_len)  // token t's new row into the cache
+    append_new_row(kc, vc, table, k_new, v_new, pos[t], first_new, row, kvh, Dh);
+  const float scale = rsqrtf(float(Dh));
+  const float* qh = q + (size_t(t) * H + h) * Dh + part * 8;
+  const float4 q_lo = make_float4(qh[0] * scale, qh[1] * scale, qh[2] * scale, qh[3] * scale);
+  const float4 q_hi = make_float4(qh[4] * scale, qh[5] * scale, qh[6] * scale, qh[7] * scale);
+  float m = -INFINITY, l = 0.f, acc[8] = {};
+  for (int r0 = start; r0 < end; r0 += per_round) {
+    if (r0 != start) load_cached(r0);
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {  // this pass's new keys: from k_new / v_new, rounded as the cache stores them
+      const int j = key_of(r0, u);
+      if (j < end && j >= first_new) {
+        const size_t src = size_t(j - first_new) * row + size_t(kvh) * Dh + part * 8;
+        kw[u] = bf16x8(k_new + src), vw[u] = bf16x8(v_new + src);
+      }
+    }
+    float sc[kRound];
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) sc[u] = dot8(kw[u], q_lo, q_hi);
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1)
+#pragma unroll
+      for (int u = 0; u < kRound; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+    float mx = m;
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+      if (key_of(r0, u) >= end) sc[u] = -INFINITY;
+      mx = fmaxf(mx, sc[u]);
+    }
+    if (mx == -INFINITY) continue;  // no key of this group in the round
+    const float c = expf(m - mx);   // 0 while m is -inf
+    l *= c;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] *= c;
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+      const float p = expf(sc[u] - mx);  // 0 for masked keys
+      l += p;
+      float vf[8];
+      unpack8(vw[u], vf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vf[i], acc[i]);
+    }
+    m = mx;
+  }
+  // The lane groups' states merged within the warp (lanes L apart hold the same dims), then the warps'.
+  auto merge = [](float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+    const float M = fmaxf(m, m2);
+    const float ca = M == -INFINITY ? 0.f : expf(m - M), cb = M == -INFINITY ? 0.f : expf(m2 - M);
+    l = l * ca + l2 * cb;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = acc[i] * ca + acc2[i] * cb;
+    m = M;
+  };
+#pragma unroll
+  for (int o = L; o < 32; o <<= 1) {
+    float acc2[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc2[i] = __shfl_xor_sync(0xffffffffu, acc[i], o);
+    merge(m, l, acc, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o), acc2);
+  }
+  __shared__ __align__(16) float wst[kWarpsPerBlock][Dh + 2];  // per warp: m, l, acc[Dh]
+  if (lane < L) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) wst[warp][2 + part * 8 + i] = acc[i];
+    if (lane == 0) wst[warp][0] = m, wst[warp][1] = l;
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
+    float M = -INFINITY;
+    for (int w = 0; w < kWarpsPerBlock; ++w) M = fmaxf(M, wst[w][0]);
+    float a = 0.f, sum = 0.f;
+    for (int w = 0; w < kWarpsPerBlock; ++w) {
+      const float cw = wst[w][0] == -INFINITY ? 0.f : expf(wst[w][0] - M);
+      a = fmaf(wst[w][2 + d], cw, a);
+      sum = fmaf(wst[w][1], cw, sum);
+    }
+    if (n_splits == 1) {
+      out[(size_t(t) * H + h) * Dh + d] = a / sum;
+      continue;
+    }
+    float* dst = partial + ((size_t(t) * H + h) * n_splits + s) * (Dh + 2);
+    dst[2 + d] = a;
+    if (d == 0) dst[0] = M, dst[1] = sum;
+  }
+  if (n_splits == 1) return;
+  __shared__ bool is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* c = counters + size_t(t) * gridDim.x + blockIdx.x;
+    is_last = atomicAdd(c, 1u) == unsigned(n_splits - 1);
+    if (is_last) *c = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  __shared__ __align__(16) float buf[kMergeFloats];
+  __shared__ float Mh[1], wscale[1];
+  merge_splits<(Dh + kThreads - 1) / kThreads>(out + (size_t(t) * H + h) * Dh,
+                                               partial + (size_t(t) * H + h) * n_splits * (Dh + 2), 1, n_splits, Dh,
+                                               buf, kMergeFloats, Mh, wscale);
+}
+
 }  // namespace
 
 namespace {
+// set_attention_decode_per_head (TIERMOE_CUDA_ATTN_HEAD=0|1|2); 1, measured faster than the tiled kernel
+// at G = 1 and at G = 8 up to 512 keys (docs/benchmarks.md, "Decode attention: one query head per block").
+int g_attention_per_head = 1;
 bool g_attention_early = true;  // TIERMOE_CUDA_ATTN_EARLY=0: the first tile after the wait, the merge even for one split,
                                 // all G heads of a KV head in one block
 
@@ -266,6 +425,21 @@ int head_groups(int G, int blocks) {
   int hg = 1;
   while (G % (2 * hg) == 0 && blocks * 2 * hg <= 2 * sm_count()) hg *= 2;
   return hg;
+}
+
+// Whether one sequence's launch takes attention_decode_head_kernel (the early path only): mode 1 at
+// G = 1, and at G > 1 up to kHeadMaxSplits splits (the backend's rule gives those up to 2048 keys),
+// where reading the K/V rows once per query head costs little; mode 2 always.
+constexpr int kHeadMaxSplits = 16;
+bool per_head_kernel(int H, int Hkv, const int32_t* const* tables, int n_splits) {
+  if (tables || !g_attention_early) return false;
+  return g_attention_per_head == 2 || (g_attention_per_head == 1 && (H == Hkv || n_splits <= kHeadMaxSplits));
+}
+auto head_kernel_for(int Dh) {
+  return Dh == 16 ? attention_decode_head_kernel<16>
+                  : Dh == 32 ? attention_decode_head_kernel<32>
+                             : Dh == 64 ? attention_decode_head_kernel<64>
+                                        : Dh == 128 ? attention_decode_head_kernel<128> : attention_decode_head_kernel<256>;
 }
 
 // The kernel for G query heads per block and head size Dh.
@@ -284,6 +458,11 @@ cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* 
                                     const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                                     unsigned* counters, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
+  if (per_head_kernel(H, Hkv, tables, n_splits)) {
+    const auto kernel = head_kernel_for(Dh);
+    return launch(kernel, dim3(H, n_splits, T), kThreads, 0, s, out, partial, counters, q, kc, vc, table, k_new, v_new,
+                  pos, Hkv);
+  }
   const int HG = g_attention_early ? head_groups(H / Hkv, Hkv * n_splits * T) : 1, G = H / Hkv / HG;
   const dim3 grid(Hkv * HG, n_splits, T);
   return launch(kernel_for(G, Dh), grid, kThreads, 0, s, out, partial, counters, q, kc, vc, table, tables, k_new, v_new, pos,
@@ -310,6 +489,15 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf1
 }
 
 void set_attention_early(bool on) { g_attention_early = on; }
+void set_attention_decode_per_head(int mode) { g_attention_per_head = mode == 1 || mode == 2 ? mode : 0; }
+
+int attention_decode_split_cap(int H, int Hkv, int Dh) {
+  int per_sm = 0;
+  if (!attention_decode_supported(H, Hkv, Dh) || H != Hkv || !per_head_kernel(H, Hkv, nullptr, kHeadMaxSplits + 1) ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, head_kernel_for(Dh), kThreads, 0) != cudaSuccess)
+    return 0;
+  return std::max(1, per_sm * sm_count() / H);
+}
 
 int attention_decode_tile_keys(int Dh) { return Dh > 0 ? tile_keys(Dh) : 0; }
 

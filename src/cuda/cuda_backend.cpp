@@ -106,6 +106,7 @@ class CudaBackend final : public Backend {
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
+    if (const char* e = std::getenv("TIERMOE_CUDA_ATTN_HEAD")) cuda::set_attention_decode_per_head(std::atoi(e));
     const char* rope_early = std::getenv("TIERMOE_CUDA_ROPE_EARLY");
     cuda::set_rope_early(!(rope_early && rope_early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
@@ -325,14 +326,13 @@ class CudaBackend final : public Backend {
   int batch_splits_pin_ = -1;  // -1: decode_batch_splits
   bool sample_single_stage_ = false;  // TIERMOE_CUDA_SAMPLE_SLICES=1 (read_switches)
   int tc_resident_blocks_ = 0, decode_resident_blocks_ = 0;  // the attention kernels' residency (alloc_workspace)
+  int decode_split_cap_ = 0;  // attention_decode_split_cap (alloc_workspace): one wave of the per-head kernel
   bf16 *xb_ = nullptr, *xb_lo_ = nullptr;  // prompt-path GEMM inputs in BF16: hi, lo (split_activations)
   size_t partial_cap_ = 0;
-  // A pass whose every logits row is sampled greedily (at most kGemvMaxT rows, a vocabulary of at
-  // most kGreedyFoldMaxVocab): the LM head folds the argmax and argmax_tokens writes tokens_ inside
-  // the step, so sample_pass only copies them back. Measured (docs/benchmarks.md): 1-2% faster per
-  // token at V = 8192, 0.6% slower at V = 151,936 (each of the LM head's 19K blocks reads its rows
-  // back before it exits), not measured in between.
-  static constexpr int kGreedyFoldMaxVocab = 1 << 30;  // wip/argmax-onchip: every vocabulary (to be measured)
+  // A pass whose every logits row is sampled greedily (at most kGemvMaxT rows): the LM head folds the
+  // argmax (each block's best from its outputs kept in shared memory) and argmax_tokens writes
+  // tokens_ inside the step, so sample_pass only copies them back. Measured (docs/benchmarks.md):
+  // 1.0-1.5% faster per token at V = 8192, 50,304 and 151,936.
   bool greedy_pass_ = false, greedy_fold_ = true;  // TIERMOE_CUDA_GREEDY_FOLD=0 (read_switches): sample_tokens
   unsigned long long* argmax_best_ = nullptr;      // [kGemvMaxT] slots, kRouterLogitStride apart, 0 between steps
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
@@ -499,6 +499,7 @@ void CudaBackend::alloc_workspace() {
   CUDA_CK(cudaMallocHost(&h_tables_, size_t(Tm) * sizeof(const int32_t*)));
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
   decode_resident_blocks_ = cuda::attention_decode_resident_blocks(H, Hkv, Dh);
+  decode_split_cap_ = cuda::attention_decode_split_cap(H, Hkv, Dh);
   if (cuda::attention_prefill_supported(H, Hkv, Dh))
     tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
   CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
@@ -845,6 +846,9 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
         while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;
       else
         p.n_splits = (keys + 1023) / 1024 * 8;
+      // The per-head kernel: no more splits than one wave holds (a second wave cost what the
+      // splits won: OLMoE at 4097+ keys, 40 splits, 640 blocks for 528 places).
+      if (decode_split_cap_ > 0) p.n_splits = std::min(p.n_splits, std::max(1, decode_split_cap_ / n));
     } else if (n <= cuda::kGemvMaxT) {
       p.n_splits = 1;  // a power of two, so that a captured decode step stays valid for many steps
       while (p.n_splits * kDecodeSplit < keys) p.n_splits *= 2;
@@ -863,7 +867,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   greedy_pass_ = greedy_fold_ && !sample_single_stage_ && sample_rows == n_logits && n_logits > 0 &&
-                 n_logits <= cuda::kGemvMaxT && cfg_.vocab_size <= kGreedyFoldMaxVocab &&
+                 n_logits <= cuda::kGemvMaxT &&
                  std::all_of(h_sample_rows_, h_sample_rows_ + n_logits, [V = cfg_.vocab_size](const auto& row) {
                    return cuda::sample_argmax_row(row, V);
                  });

@@ -260,6 +260,13 @@ cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf1
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
 // Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
 void set_attention_early(bool on);
+// Which launches of one sequence take the kernel of one query head per block with K/V in registers
+// (attention_decode.cu) instead of the tiled one: 0 none; 1 (the default) those at G = 1, and at
+// G > 1 those of up to 16 key splits; 2 all.
+void set_attention_decode_per_head(int mode);
+// At G = 1 where the per-head kernel runs one sequence's launch: the most key splits whose blocks
+// (1 token) fit the GPU at once; else 0.
+int attention_decode_split_cap(int H, int Hkv, int Dh);
 // How many blocks of attention_decode (all G heads of a KV head per block) the GPU holds at once (0
 // if unknown), and the keys of its tiles: what a decode batch's key splits are sized by.
 int attention_decode_resident_blocks(int H, int Hkv, int Dh);

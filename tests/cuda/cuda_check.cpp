@@ -953,7 +953,11 @@ void check_attention_decode() {
               C{5, 200, 24, 4, 128, 1}, C{1, 63, 8, 2, 128, 64}, C{4, 4093, 32, 4, 128, 1000}, C{1, 3000, 4, 2, 256, 3000},
               C{1, 700, 16, 16, 128, 512}, C{6, 29, 16, 16, 128, 256},
               // OLMoE's decode at 4096 keys: 40 splits, merged from shared memory in one chunk (merge_splits)
-              C{1, 4095, 16, 16, 128, 103}}) {
+              C{1, 4095, 16, 16, 128, 103},
+              // G = 1: OLMoE's 32 splits at 4096 keys; 70 splits (the register kernel's merge in chunks);
+              // rounds partly past the split; several new tokens
+              C{1, 4095, 16, 16, 128, 128}, C{1, 8999, 4, 4, 128, 128}, C{1, 100, 3, 3, 64, 37}, C{4, 61, 2, 2, 256, 16},
+              C{3, 0, 5, 5, 32, 2}}) {
     const int n = c.past + c.T, row = c.Hkv * c.Dh;
     auto q = randn(size_t(c.T) * c.H * c.Dh), k = randn(size_t(n) * row), v = randn(size_t(n) * row);
     auto kb = bf16_of(k), vb = bf16_of(v);
@@ -1778,6 +1782,18 @@ void check_attention_decode_late() {
   cu::set_attention_early(true);
 }
 
+// Decode attention again on the tiled kernel only (set_attention_decode_per_head(0)), and with the
+// per-head kernel at every G (2); the default (check_attention_decode) takes it at G = 1 and for
+// G > 1 up to 16 splits.
+void check_attention_decode_per_head() {
+  for (int mode : {0, 2}) {
+    std::printf("-- attention_decode: per-head kernel mode %d --\n", mode);
+    cu::set_attention_decode_per_head(mode);
+    check_attention_decode();
+  }
+  cu::set_attention_decode_per_head(1);
+}
+
 int sync_latency_main();  // sync_latency.cu
 
 int main(int argc, char** argv) {
@@ -1801,7 +1817,7 @@ int main(int argc, char** argv) {
         {"attention_prefill", check_attention_prefill},
         {"attention_prefill_decode", check_attention_prefill_decode}, {"attention_decode", check_attention_decode},
         {"attention_decode_batch", check_attention_decode_batch},
-        {"attention_decode_late", check_attention_decode_late}, {"sample_tokens", check_sampling}};
+        {"attention_decode_late", check_attention_decode_late}, {"attention_decode_per_head", check_attention_decode_per_head}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
       if (want(name)) check();
   }
