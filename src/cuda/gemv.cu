@@ -11,8 +11,9 @@ constexpr int kGemvBlockRows = kWarps * kGemvRows;
 // With rl.acc: thread e < rl.E then adds its expert's share of the unscaled router logits over the
 // block's rows of y, rl.Wr[e, rows] . (y[t, rows] * rl.norm_w[rows]), into rl.acc[t, e] (y = h, the
 // residual stream after this projection; its weights are loaded before the wait).
-// With best: thread t < T then folds the block's rows of y[t] into best[t] (argmax_key, atomicMax;
-// read first, so that once a large logit is in, most blocks add no atomic).
+// With ARGMAX (best): thread t < T then folds the block's outputs for token t, kept in shared
+// memory, into best[t] (argmax_key, atomicMax only when it beats the slot as read before the wait,
+// so that once a large logit is in, most blocks add no atomic).
 template <int TT, bool NORM, bool ARGMAX>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
