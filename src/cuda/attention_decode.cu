@@ -12,6 +12,7 @@
 // contexts, few KV heads -- HG blocks share a KV head, each with G / HG of its query heads.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -435,11 +436,18 @@ bool per_head_kernel(int H, int Hkv, const int32_t* const* tables, int n_splits)
   if (tables || !g_attention_early) return false;
   return g_attention_per_head == 2 || (g_attention_per_head == 1 && (H == Hkv || n_splits <= kHeadMaxSplits));
 }
+// f(std::integral_constant<int, Dh>) for the head sizes the decode kernels are built for
+// (attention_decode_supported): the one place that turns Dh into a template argument.
+template <class F>
+auto with_head_size(int Dh, F f) {
+  return Dh == 16    ? f(std::integral_constant<int, 16>{})
+         : Dh == 32  ? f(std::integral_constant<int, 32>{})
+         : Dh == 64  ? f(std::integral_constant<int, 64>{})
+         : Dh == 128 ? f(std::integral_constant<int, 128>{})
+                     : f(std::integral_constant<int, 256>{});
+}
 auto head_kernel_for(int Dh) {
-  return Dh == 16 ? attention_decode_head_kernel<16>
-                  : Dh == 32 ? attention_decode_head_kernel<32>
-                             : Dh == 64 ? attention_decode_head_kernel<64>
-                                        : Dh == 128 ? attention_decode_head_kernel<128> : attention_decode_head_kernel<256>;
+  return with_head_size(Dh, [](auto dh) { return attention_decode_head_kernel<decltype(dh)::value>; });
 }
 
 // The kernel for G query heads per block and head size Dh.
@@ -449,8 +457,7 @@ auto kernel_for(int G) {
                 : (G == 2 ? attention_decode_kernel<2, Dh> : (G <= 4 ? attention_decode_kernel<4, Dh> : attention_decode_kernel<8, Dh>));
 }
 auto kernel_for(int G, int Dh) {
-  return Dh == 16 ? kernel_for<16>(G)
-                  : Dh == 32 ? kernel_for<32>(G) : Dh == 64 ? kernel_for<64>(G) : Dh == 128 ? kernel_for<128>(G) : kernel_for<256>(G);
+  return with_head_size(Dh, [G](auto dh) { return kernel_for<decltype(dh)::value>(G); });
 }
 
 cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const int32_t* table,
