@@ -1795,9 +1795,11 @@ void check_attention_decode_per_head() {
 }
 
 int sync_latency_main();  // sync_latency.cu
+int l2_residency_main();  // l2_residency.cu
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "latency") == 0) return sync_latency_main();
+  if (argc > 1 && std::strcmp(argv[1], "l2keep") == 0) return l2_residency_main();
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "batchtable") == 0) return batchtable_main(argc, argv);
