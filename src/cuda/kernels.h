@@ -127,6 +127,9 @@ cudaError_t gemv_router_logits(float* y, const float* x, const bf16* W, int T, i
 cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const float* h, const float* norm_w, float eps,
                                const long long* acc, const bf16* Wgu, int T, int E, int K, int F, int D,
                                bool renormalize, cudaStream_t s);
+// moe_gate_up_routed of one token (D % 2048 == 0) as a stream of one wave, blocks_per_sm 1 or 2 (the
+// default), or 0: the kernel of one warp per row for every T. For A/B timing.
+void set_moe_gate_up_stream(int blocks_per_sm);
 // gemv3's rows per warp, for A/B timing: 0 (default) chosen per launch (2 for one token, else 1),
 // 1 or 2 forced.
 void set_gemv3_rows(int rows);

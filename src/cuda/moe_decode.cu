@@ -15,7 +15,10 @@ namespace cg = cooperative_groups;
 
 constexpr int kMaxDownRows = 4;  // moe_down's rows per warp at most (its variants below)
 static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
-constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
+constexpr int kRouteMaxCluster = 16;
+// moe_gate_up_stream_kernel's blocks per SM (0: moe_gate_up_routed_kernel for every T), for A/B timing
+// (set_moe_gate_up_stream). 2: its launch bound, and the register budget's most.
+int g_gate_up_stream = 2;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
 
 // Router logits as NaN-proof values: NaN ranks last, so every rank gets exactly one expert.
 __device__ __forceinline__ float rank_value(float v) { return v != v ? -INFINITY : v; }
@@ -123,51 +126,114 @@ __device__ __forceinline__ void gate_up_dots(const bf16* __restrict__ wg, const 
   }
 }
 
+// The routing at the head of moe_gate_up_routed's blocks, all threads of the block: sid[k] = token
+// t's experts, selected from the logit sums acc[t] (select_topk); st.x = h_t * nw. Returns inv =
+// 1 / rms(h_t). Only the selection stands between the wait and the weight loads (the sum of squares
+// is gathered with the stage and summed after). `router_column` (a block with no rows): for k = 0
+// it computes the token's softmax weights (inv * acc) and writes them with the ids, beside the
+// other blocks' loads instead of after a block's rows.
+struct RouteShared {
+  GemvStage st;  // h_t * nw, and the warps' shares of sum(h_t^2)
+  float lg[kRouteMaxE], sw[kRouteMaxK];
+  int32_t sid[kRouteMaxK];
+};
+__device__ float route_block(RouteShared& sh, int32_t* ids, float* weights, const float* __restrict__ h,
+                             const float* __restrict__ nw, float eps, const long long* acc, int t, int k, int E,
+                             int K, int D, bool renormalize, bool router_column) {
+  if (threadIdx.x < E) sh.lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
+  stage_x_rows<1, true>(sh.st, h + size_t(t) * D, nw, 1, D);
+  __syncthreads();
+  select_topk(sh.sid, sh.lg, E, K);
+  __syncthreads();
+  float ss = 0.f;
+  for (int w = 0; w < kWarps; ++w) ss += sh.st.red[w][0];
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);  // as rmsnorm() computes it
+  if (router_column && k == 0) {
+    route_token(sh.sid, sh.sw, sh.lg, E, K, renormalize, inv);
+    if (threadIdx.x < K) {
+      ids[t * K + threadIdx.x] = sh.sid[threadIdx.x];
+      weights[t * K + threadIdx.x] = sh.sw[threadIdx.x];
+    }
+  }
+  return inv;
+}
+
 // The router's last step and moe_gate_up in one launch (RouterLogits, kernels.h). grid (ceil(F / kWarps)
-// + 1, T*K): every block selects its token's experts itself from the logits acc[t] (select_topk),
-// with h_t * nw staged in shared memory; then one warp per (t, k, f) as moe_gate_up, scaled by inv =
-// 1 / rms(h_t) at the end. Only the selection stands between the wait and the weight loads (the sum
-// of squares is gathered with the stage and summed after). The last column's blocks have no rows:
-// for k = 0 it computes the token's softmax weights (inv * acc) and writes them with the ids,
-// beside the others' loads instead of after a block's rows.
+// + 1, T*K): every block routes its token (route_block), then one warp per (t, k, f) as
+// moe_gate_up, scaled by inv at the end. The last column's blocks are the router columns.
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* __restrict__ act, int32_t* ids,
                                                                          float* weights, const float* __restrict__ h,
                                                                          const float* __restrict__ nw, float eps,
                                                                          const long long* acc,
                                                                          const bf16* __restrict__ Wgu, int E, int K,
                                                                          int F, int D, bool renormalize) {
-  __shared__ GemvStage st;  // h_t * nw, and the warps' shares of sum(h_t^2)
-  __shared__ float lg[kRouteMaxE], sw[kRouteMaxK];
-  __shared__ int32_t sid[kRouteMaxK];
+  __shared__ RouteShared sh;
   pdl_wait();
   pdl_launch_dependents();
   const int tk = blockIdx.y, t = tk / K, k = tk % K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
-  stage_x_rows<1, true>(st, h + size_t(t) * D, nw, 1, D);
-  __syncthreads();
-  select_topk(sid, lg, E, K);
-  __syncthreads();
-  float ss = 0.f;
-  for (int w = 0; w < kWarps; ++w) ss += st.red[w][0];
-  const float inv = 1.0f / sqrtf(ss / float(D) + eps);  // as rmsnorm() computes it
-  if (blockIdx.x == gridDim.x - 1) {  // the router column
-    if (k != 0) return;
-    route_token(sid, sw, lg, E, K, renormalize, inv);
-    if (threadIdx.x < K) {
-      ids[t * K + threadIdx.x] = sid[threadIdx.x];
-      weights[t * K + threadIdx.x] = sw[threadIdx.x];
-    }
-    return;
-  }
+  const bool router_column = blockIdx.x == gridDim.x - 1;
+  const float inv = route_block(sh, ids, weights, h, nw, eps, acc, t, k, E, K, D, renormalize, router_column);
+  if (router_column) return;
   const int f = blockIdx.x * kWarps + warp;
   if (f < F) {
-    const bf16* wg = Wgu + (size_t(sid[k]) * 2 * F + f) * D;
+    const bf16* wg = Wgu + (size_t(sh.sid[k]) * 2 * F + f) * D;
     const bf16* wu = wg + size_t(F) * D;
     float g = 0.f, u = 0.f;
-    gate_up_dots(wg, wu, st.x, D >> 3, lane, g, u);
+    gate_up_dots(wg, wu, sh.st.x, D >> 3, lane, g, u);
     g = warp_sum(g) * inv;
     u = warp_sum(u) * inv;
     if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
+  }
+}
+
+// moe_gate_up_routed for one token as a stream (T = 1, D % 2048 == 0): gridDim.x - 1 blocks (a few
+// per SM, one wave) each route the token once (route_block), then every warp walks the K * F pairs
+// p = k * F + f, gridDim.x * kWarps apart: the gate row's units, then the up row's (a unit is 2048
+// weights, 8 16-byte loads per lane), the next unit's loads issued before this one's dot product.
+// Why: the kernel above runs about two waves of short blocks, each routing again before its first
+// load, and its warps' loads stop between rows; here the loads run on across rows and experts.
+// The sums run in the same order as the kernel above: the same bits. The last block is the router column.
+__global__ void __launch_bounds__(kWarps * 32, 2) moe_gate_up_stream_kernel(float* __restrict__ act, int32_t* ids,
+                                                                            float* weights, const float* __restrict__ h,
+                                                                            const float* __restrict__ nw, float eps,
+                                                                            const long long* acc,
+                                                                            const bf16* __restrict__ Wgu, int E, int K,
+                                                                            int F, int D, bool renormalize) {
+  constexpr int kUnit = 2048, kL = kUnit / 256;  // weights per unit, loads per lane per unit
+  __shared__ RouteShared sh;
+  pdl_wait();
+  pdl_launch_dependents();
+  const bool router_column = blockIdx.x == gridDim.x - 1;
+  const float inv = route_block(sh, ids, weights, h, nw, eps, acc, 0, 0, E, K, D, renormalize, router_column);
+  if (router_column) return;
+  const int lane = threadIdx.x & 31, P = D / kUnit, stride = (gridDim.x - 1) * kWarps;
+  const int w0 = blockIdx.x * kWarps + (threadIdx.x >> 5), pairs = K * F;
+  const int units = (w0 < pairs ? (pairs - 1 - w0) / stride + 1 : 0) * 2 * P;  // even
+  auto pair_of = [&](int u) { return w0 + u / (2 * P) * stride; };
+  auto load = [&](uint4(&v)[kL], int u) {
+    const int p = pair_of(u), k = p / F, f = p - k * F, up = u / P & 1;
+    const bf16* w = Wgu + (size_t(sh.sid[k]) * 2 * F + size_t(up) * F + f) * D + size_t(u % P) * kUnit + 8 * lane;
+#pragma unroll
+    for (int j = 0; j < kL; ++j) v[j] = ldg16(w + 256 * j);
+  };
+  float s = 0.f, g = 0.f;
+  auto dot = [&](const uint4(&v)[kL], int u) {
+    const float* x = sh.st.x + (u % P) * kUnit + 8 * lane;
+#pragma unroll
+    for (int j = 0; j < kL; ++j) s += dot8(v[j], x + 256 * j);
+    if ((u + 1) % P) return;  // the row goes on in the next unit
+    const float r = warp_sum(s) * inv;
+    s = 0.f;
+    if ((u / P & 1) == 0) g = r;
+    else if (lane == 0) act[pair_of(u)] = silu(g) * r;  // act[k * F + f]
+  };
+  uint4 a[kL], b[kL];
+  if (units > 0) load(a, 0);
+  for (int u = 0; u < units; u += 2) {
+    load(b, u + 1);
+    dot(a, u);
+    if (u + 2 < units) load(a, u + 2);
+    dot(b, u + 1);
   }
 }
 
@@ -326,9 +392,14 @@ cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const f
                                bool renormalize, cudaStream_t s) {
   if (!router_in_oproj_fits(D, E, K) || T > kGemvMaxT) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
+  if (T == 1 && D % 2048 == 0 && g_gate_up_stream > 0)
+    return launch(moe_gate_up_stream_kernel, g_gate_up_stream * sm_count() + 1, kWarps * 32, 0, s, act, ids, weights,
+                  h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
   return launch(moe_gate_up_routed_kernel, dim3((F + kWarps - 1) / kWarps + 1, T * K), kWarps * 32, 0, s, act, ids,
                 weights, h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
 }
+
+void set_moe_gate_up_stream(int blocks_per_sm) { g_gate_up_stream = std::clamp(blocks_per_sm, 0, 2); }
 
 namespace {
 // moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per

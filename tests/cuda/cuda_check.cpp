@@ -548,7 +548,9 @@ void check_moe_routed() {
   for (C c : {C{1, 64, 8, 2048, 2048, 64, false, false}, C{1, 128, 8, 2048, 4096, 48, true, false},
               C{1, 8, 2, 4096, 4096, 112, true, false}, C{3, 60, 6, 48, 40, 24, true, true},
               C{8, 256, 8, 64, 72, 16, false, false}, C{2, 256, 32, 128, 96, 8, true, true},
-              C{1, 33, 1, 24, 30, 40, false, true}, C{5, 16, 4, 104, 64, 36, true, false}}) {
+              C{1, 33, 1, 24, 30, 40, false, true}, C{5, 16, 4, 104, 64, 36, true, false},
+              // one token's gate/up as a stream: several (k, f) pairs per warp, rows of one and two units
+              C{1, 16, 8, 2048, 2048, 1000, false, false}, C{1, 4, 3, 4096, 2048, 700, true, true}}) {
     const size_t TD = size_t(c.T) * c.D;
     const MoeCase mc{c.T, c.E, c.K, c.D, c.F};
     auto x0 = randn(TD), a = randn(size_t(c.T) * c.Da), nw = randn(c.D), wr = randn(size_t(c.E) * c.D, 0.05f);
@@ -574,12 +576,18 @@ void check_moe_routed() {
     Dev<uint16_t> dwo(wob), dwr(wrb), dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids.size());
     Dev<long long> acc(size_t(c.T) * c.E * cu::kRouterLogitStride);
-    for (int v = 0; v < cu::moe_down_variants(); ++v) {  // every shape of moe_down
-      cu::set_moe_down_variant(v);
+    std::vector<float> act_rows;  // moe_gate_up_routed's act under the first mode, to compare bits
+    // every shape of moe_down; then, for one token, moe_gate_up_routed as a stream at 1 block per SM
+    // and by rows (0); 2 blocks per SM (the default) ran with the moe_down shapes
+    for (int v = 0; v < cu::moe_down_variants() + 2; ++v) {
+      const int stream = v < cu::moe_down_variants() ? 2 : v - cu::moe_down_variants();
+      cu::set_moe_down_variant(v < cu::moe_down_variants() ? v : 0);
+      cu::set_moe_gate_up_stream(stream);
+      if (c.T > 1 && stream != 2) continue;
       int wrong = 0;
       double werr = 0;
-      report_moe(fmt("o-proj router + moe_gate_up_routed + moe_down T=%d E=%d K=%d D=%d F=%d%s down %d", c.T, c.E, c.K,
-                     c.D, c.F, c.ties ? " ties" : "", v),
+      report_moe(fmt("o-proj router + moe_gate_up_routed + moe_down T=%d E=%d K=%d D=%d F=%d%s down %d gate_up %s", c.T,
+                     c.E, c.K, c.D, c.F, c.ties ? " ties" : "", v, stream ? fmt("stream x%d", stream).c_str() : "rows"),
                  mc, m, [&](float* x) {
                    CK(cudaMemset(acc.p, 0, acc.n * sizeof(long long)));
                    dact.poison(), di.poison(), dwt.poison();
@@ -593,8 +601,14 @@ void check_moe_routed() {
                  });
       report(fmt("  its routing ids and weights (x2)"), werr, 1e-5, fmt("ids %s", wrong ? "DIFFER" : "exact"));
       if (wrong) ++g_fail;
+      const auto act = dact.get();
+      if (act_rows.empty()) act_rows = act;
+      const bool same = std::memcmp(act.data(), act_rows.data(), act.size() * sizeof(float)) == 0;
+      report(fmt("  moe_gate_up_routed %s: act bits as the first", stream ? fmt("stream x%d", stream).c_str() : "by rows"),
+             same ? 0.0 : 1.0, 0.0);
     }
     cu::set_moe_down_variant(0);
+    cu::set_moe_gate_up_stream(2);
   }
 }
 
@@ -1795,11 +1809,11 @@ void check_attention_decode_per_head() {
 }
 
 int sync_latency_main();  // sync_latency.cu
-int l2_residency_main();  // l2_residency.cu
+int decode_chain_main();  // decode_chain.cu
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "latency") == 0) return sync_latency_main();
-  if (argc > 1 && std::strcmp(argv[1], "l2keep") == 0) return l2_residency_main();
+  if (argc > 1 && std::strcmp(argv[1], "chain") == 0) return decode_chain_main();
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "batchtable") == 0) return batchtable_main(argc, argv);

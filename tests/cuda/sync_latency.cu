@@ -21,11 +21,12 @@
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
 #include "cuda/kernels.h"
+#include "cuda/probe_step.cuh"
 
 namespace {
 namespace cu = tiermoe::cuda;
 
-constexpr int kThreads = 256, kVec = 2048, kSteps = 112;
+constexpr int kThreads = cu::kProbeThreads, kVec = 2048, kSteps = 112;
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
@@ -33,20 +34,7 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
-// One step: every block sums all of x (through L2) and writes its slice of y = x / 2 + sum * 1e-6.
-__device__ void step(float* y, const float* x) {
-  __shared__ float red[kThreads / 32];
-  float s = 0.f;
-  for (int i = threadIdx.x; i < kVec; i += blockDim.x) s += __ldcg(x + i);
-  s = cu::warp_sum(s);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < kThreads / 32; ++w) total += red[w];
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < kVec; i += gridDim.x * blockDim.x)
-    y[i] = __ldcg(x + i) * 0.5f + total * 1e-6f;
-  __syncthreads();  // red[] is reused by the next step
-}
+__device__ void step(float* y, const float* x) { cu::probe_step(y, x, kVec); }
 
 __global__ void __launch_bounds__(kThreads) step_kernel(float* y, const float* x) {
   cu::pdl_wait();
@@ -96,14 +84,6 @@ __global__ void __launch_bounds__(kThreads) barrier_steps_kernel(float* buf, uns
   }
 }
 
-#define LK(x)                                                                             \
-  do {                                                                                    \
-    const cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
 
 }  // namespace
 
