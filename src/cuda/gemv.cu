@@ -3,6 +3,8 @@
 // (three projections of one input).
 #include "cuda/gemv.cuh"
 
+#include <algorithm>
+
 namespace tiermoe::cuda {
 namespace {
 
@@ -14,7 +16,8 @@ constexpr int kGemvBlockRows = kWarps * kGemvRows;
 // With ARGMAX (best): thread t < T then folds the block's outputs for token t, kept in shared
 // memory, into best[t] (argmax_key, atomicMax only when it beats the slot as read before the wait,
 // so that once a large logit is in, most blocks add no atomic).
-template <int TT, bool NORM, bool ARGMAX>
+// PIPE: gemv_rows's pipelined rounds (one token, rows longer than one round).
+template <int TT, bool NORM, bool ARGMAX, bool PIPE = false>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y, const float* __restrict__ x,
                                                            const bf16* __restrict__ W, int T, int N, int K,
                                                            bool accumulate, const float* __restrict__ nw, float eps,
@@ -32,7 +35,8 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y
   // step writes it before the LM head; argmax_tokens of the step before cleared it.
   unsigned long long* slot = ARGMAX && threadIdx.x < T ? best + size_t(threadIdx.x) * kRouterLogitStride : nullptr;
   const unsigned long long seen = slot ? __ldcg(slot) : 0;
-  gemv_rows<TT, NORM>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr,
+  gemv_rows<TT, NORM, kGemvRows, PIPE>(y, x, nw, eps, W, T, N, K, accumulate, n0, threadIdx.x & 31, nullptr,
+                                       staged ? &st : nullptr,
                       true, ARGMAX ? &kept[warp * kGemvRows][0] : nullptr);
   if (!rl.acc && !ARGMAX) return;
   __syncthreads();  // the block's rows of y are written (and kept)
@@ -99,10 +103,12 @@ __global__ void argmax_tokens_kernel(int32_t* tokens, unsigned long long* best, 
 
 bool g_gemv_stage = true;  // TIERMOE_CUDA_GEMV_STAGE=0: the fold (each warp reads x itself)
 int g_gemv3_rows = 0;      // gemv3's rows per warp: 0 chosen per launch, else forced
+int g_gemv_pipe = 1;  // gemv of one token, rows of several rounds pipelined: 0 never, 1 in one wave, 2 always
 }  // namespace
 
 bool stage_fits(int T, int K) { return g_gemv_stage && K % 8 == 0 && T * K <= kStageFloats; }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
+void set_gemv_pipe(int mode) { g_gemv_pipe = std::clamp(mode, 0, 2); }
 void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 1 || rows == 2 ? rows : 0; }
 
 namespace {
@@ -111,6 +117,14 @@ cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, i
                         float eps, RouterLogits rl, unsigned long long* best, cudaStream_t s) {
   const unsigned grid = unsigned((N + kGemvBlockRows - 1) / kGemvBlockRows);
   const bool staged = stage_fits(T, K);
+  // One token's rows of more than one round of loads: the pipelined rounds, where their registers (2
+  // blocks per SM) still leave one wave (no argmax form: the LM heads measured are 2048 wide).
+  const bool pipe = g_gemv_pipe == 2 || (g_gemv_pipe == 1 && grid <= unsigned(2 * sm_count()));
+  if (TT == 1 && pipe && !best && K % 8 == 0 && K / 8 > 32 * kLoads)
+    return nw ? launch(gemv_kernel<1, true, false, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps,
+                       staged, rl, best)
+              : launch(gemv_kernel<1, false, false, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw,
+                       eps, staged, rl, best);
   // The argmax form only normed (the LM head): the other kernels keep their registers.
   if (best && nw)
     return launch(gemv_kernel<TT, true, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps, staged,

@@ -118,7 +118,9 @@ __device__ __forceinline__ void prefetch_rows(float (&old)[NR][TT], const float*
 // each written output. With st (stage_fits(T, K), the same for the whole
 // block) x is taken from the block's stage instead, staged here after the wait if `stage` is set
 // (every thread of the block must then be here: stage_x has barriers).
-template <int TT, bool NORM, int NR = kGemvRows>
+// PIPE: each round's loads are issued before the round before it is summed (a second set of
+// registers), for rows longer than one round; the same sums in the same order.
+template <int TT, bool NORM, int NR = kGemvRows, bool PIPE = false>
 __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __restrict__ x,
                                           const float* __restrict__ nw, float eps, const bf16* __restrict__ W, int T,
                                           int N, int K, bool accumulate, int n0, int lane, float* inv_out = nullptr,
@@ -143,8 +145,7 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
     if (st && stage) stage_x<TT, NORM>(*st, x, nw, eps, T, K);
     if (nr == 0) return;
     const float* xin = st ? st->x : x;
-    for (int base = lane; base < K8; base += 32 * CH) {
-      if (base > lane) load_row_chunks(wv, w, K, nr, base, K8);
+    auto round = [&](const uint4(&wr)[NR][CH], int base) {  // one round's dot products
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
         const int i = base + 32 * j;
@@ -162,8 +163,24 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
             b = make_float4(b.x * d.x, b.y * d.y, b.z * d.z, b.w * d.w);
           }
 #pragma unroll
-          for (int r = 0; r < NR; ++r) acc[r][t] += dot8(wv[r][j], a, b);
+          for (int r = 0; r < NR; ++r) acc[r][t] += dot8(wr[r][j], a, b);
         }
+      }
+    };
+    constexpr int kRound = 32 * CH;  // chunks per round
+    if constexpr (PIPE) {  // the next round's loads in flight during this one's dot products
+      uint4 wn[NR][CH] = {};
+      for (int base = lane; base < K8; base += 2 * kRound) {
+        if (base + kRound < K8) load_row_chunks(wn, w, K, nr, base + kRound, K8);
+        round(wv, base);
+        if (base + kRound >= K8) break;
+        if (base + 2 * kRound < K8) load_row_chunks(wv, w, K, nr, base + 2 * kRound, K8);
+        round(wn, base + kRound);
+      }
+    } else {
+      for (int base = lane; base < K8; base += kRound) {
+        if (base > lane) load_row_chunks(wv, w, K, nr, base, K8);
+        round(wv, base);
       }
     }
   } else {

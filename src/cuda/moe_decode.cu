@@ -13,7 +13,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kMaxDownRows = 4;  // moe_down's rows per warp at most (its variants below)
+constexpr int kDownPart = 256;   // moe_down's partial sums per block, R * K at most
 static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
 constexpr int kRouteMaxCluster = 16;
 // moe_gate_up_stream_kernel's blocks per SM (0: moe_gate_up_routed_kernel for every T), for A/B timing
@@ -264,20 +264,22 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restr
   if (lane == 0) act[size_t(tk) * F + f] = silu(g) * u;
 }
 
-// grid (ceil(D / R), T), R = NR * max(1, kWarps / K) output rows per block. The block's jobs
+// grid (ceil(D / R), T), R = NR * max(1, kWarps / K) * m output rows per block. The block's jobs
 // (job j: expert k = j % K, rows d0 + NR * (j / K) + 0 .. NR - 1) go to its warps round-robin; a
 // warp streams its job's NR rows together (NR * CH loads per lane in flight), so a block keeps
 // enough loads in flight even at small K and no warp waits on another expert. The block then
 // sums each row's K partials in k order (deterministic), weighted, into x (the residual add).
-// MINB: blocks per SM the register budget must allow.
-template <int NR, int CH, int MINB>
+// MINB: blocks per SM the register budget must allow. PIPE: a warp's rounds of loads -- across its
+// jobs -- are issued one round ahead of the dot products (a second set of registers, so MINB 2 and
+// m > 1 to keep one wave); the same sums in the same order.
+template <int NR, int CH, int MINB, bool PIPE>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __restrict__ x,
                                                                   const float* __restrict__ act,
                                                                   const bf16* __restrict__ Wd,
                                                                   const int32_t* __restrict__ ids,
                                                                   const float* __restrict__ weights, int K, int D,
                                                                   int F, int R, const long long* acc, int E) {
-  __shared__ float part[kMaxDownRows * kRouteMaxK];  // [R, K], R * K <= NR * max(kWarps, K)
+  __shared__ float part[kDownPart];  // [R, K]
   const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R, jobs = K * (R / NR);
   // The first round of the warp's first job is loaded BEFORE pdl_wait(): ids come from moe_route,
   // the kernel before the previous one, which had finished before moe_gate_up (whose blocks all
@@ -296,9 +298,16 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
     const int e = acc ? sid[j % K] : ids[t * K + j % K];
     return Wd + (size_t(e) * D + d0 + NR * (j / K)) * F;
   };
+  auto job_nr = [&](int j) { return max(0, min(NR, D - (d0 + NR * (j / K)))); };
+  // A warp's work as units: its jobs j0, j0 + kWarps, ..., each in Q rounds of 32 * CH chunks.
+  const int j0 = threadIdx.x >> 5, F8 = F >> 3, Q = (F8 + 32 * CH - 1) / (32 * CH);
+  const int units = (F & 7) == 0 && j0 < jobs ? ((jobs - 1 - j0) / kWarps + 1) * Q : 0;
+  auto load_unit = [&](uint4(&v)[NR][CH], int u) {
+    const int j = j0 + u / Q * kWarps;
+    load_row_chunks(v, job_rows(j), F, job_nr(j), lane + u % Q * 32 * CH, F8);
+  };
   uint4 wv[NR][CH];
-  const int j0 = threadIdx.x >> 5;
-  if ((F & 7) == 0 && j0 < jobs) load_row_chunks(wv, job_rows(j0), F, max(0, min(NR, D - (d0 + NR * (j0 / K)))), lane, F >> 3);
+  if (units > 0) load_unit(wv, 0);
   // The routing weights (moe_route's) and the residual (written by the o projection, before
   // moe_route started) are final too: loaded now, they are off the end of the critical path.
   // With acc the weights come from moe_gate_up_routed, the kernel before: read after the wait.
@@ -309,37 +318,58 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
   pdl_wait();
   pdl_launch_dependents();
   if (acc && threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
-  for (int j = j0; j < jobs; j += kWarps) {
-    const int k = j % K, r0 = NR * (j / K), nr = max(0, min(NR, D - (d0 + r0)));
-    const bf16* w = job_rows(j);
+  float s[NR] = {};
+  auto dot_unit = [&](const uint4(&v)[NR][CH], int u) {  // and the job's partials after its last round
+    const int j = j0 + u / Q * kWarps, k = j % K, r0 = NR * (j / K), nr = job_nr(j), base = lane + u % Q * 32 * CH;
     const float* a = act + (size_t(t) * K + k) * F;
-    float s[NR] = {};
-    if ((F & 7) == 0) {
-      const int F8 = F >> 3;
-      for (int base = lane; base < F8; base += 32 * CH) {
-        if (j != j0 || base != lane) load_row_chunks(wv, w, F, nr, base, F8);
 #pragma unroll
-        for (int c = 0; c < CH; ++c) {
-          if (base + 32 * c >= F8) break;
-          const float* ac = a + 8 * (base + 32 * c);
-          const float4 lo = *reinterpret_cast<const float4*>(ac), hi = *reinterpret_cast<const float4*>(ac + 4);
+    for (int c = 0; c < CH; ++c) {
+      if (base + 32 * c >= F8) break;
+      const float* ac = a + 8 * (base + 32 * c);
+      const float4 lo = *reinterpret_cast<const float4*>(ac), hi = *reinterpret_cast<const float4*>(ac + 4);
 #pragma unroll
-          for (int r = 0; r < NR; ++r)
-            if (r < nr) s[r] += dot8(wv[r][c], lo, hi);
-        }
-      }
-    } else {
-      for (int i = lane; i < F; i += 32)
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-          if (r < nr) s[r] = fmaf(bf(w[size_t(r) * F + i]), a[i], s[r]);
+      for (int q = 0; q < NR; ++q)
+        if (q < nr) s[q] += dot8(v[q][c], lo, hi);
     }
+    if (u % Q != Q - 1) return;
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const float v = warp_sum(s[r]);
-      if (lane == 0) part[(r0 + r) * K + k] = v;
+    for (int q = 0; q < NR; ++q) {
+      const float sum = warp_sum(s[q]);
+      s[q] = 0.f;
+      if (lane == 0) part[(r0 + q) * K + k] = sum;
+    }
+  };
+  if constexpr (PIPE) {
+    uint4 wn[NR][CH];
+    for (int u = 0; u < units; u += 2) {
+      if (u + 1 < units) load_unit(wn, u + 1);
+      dot_unit(wv, u);
+      if (u + 1 >= units) break;
+      if (u + 2 < units) load_unit(wv, u + 2);
+      dot_unit(wn, u + 1);
+    }
+  } else {
+    for (int u = 0; u < units; ++u) {
+      if (u > 0) load_unit(wv, u);
+      dot_unit(wv, u);
     }
   }
+  if ((F & 7) != 0)  // rows of any length: scalar loads
+    for (int j = j0; j < jobs; j += kWarps) {
+      const int k = j % K, r0 = NR * (j / K), nr = job_nr(j);
+      const bf16* w = job_rows(j);
+      const float* a = act + (size_t(t) * K + k) * F;
+      for (int i = lane; i < F; i += 32)
+#pragma unroll
+        for (int q = 0; q < NR; ++q)
+          if (q < nr) s[q] = fmaf(bf(w[size_t(q) * F + i]), a[i], s[q]);
+#pragma unroll
+      for (int q = 0; q < NR; ++q) {
+        const float sum = warp_sum(s[q]);
+        s[q] = 0.f;
+        if (lane == 0) part[(r0 + q) * K + k] = sum;
+      }
+    }
   __syncthreads();
   if (r < R && d0 + r < D) {
     float total = 0.f;
@@ -407,14 +437,20 @@ namespace {
 // else the smallest: measured end to end on the H200 (docs/benchmarks.md), the grid that fills one
 // wave won both ways -- NR 2 (512 blocks) at Mixtral's D = 4096, K = 2 (7.99 against 8.09 ms per
 // token), NR 4 (512 blocks) at OLMoE's / Qwen3-30B-A3B's D = 2048, K = 8 by 2-3%.
-// TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4 (A/B; set_moe_down_variant).
+// The pipelined shapes (PIPE, 2 blocks per SM) take m times the rows per block, for one wave of
+// their own. For one token the launch takes the pipelined NR 4 where a job's rows are not exactly two
+// rounds: measured (docs/benchmarks.md), it won at Qwen3-30B-A3B's F = 768 (rounds of 64 and 32
+// chunks; -2.4 to -2.7% per token) and Mixtral's F = 14336 (28 rounds; -0.9%), and lost at
+// OLMoE's F = 1024 (two full rounds; +1.5 to +1.7%). Three shapes, not a model of why.
+// TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4, 3 / 4 the pipelined NR 2 / 4 (A/B; set_moe_down_variant).
 using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int,
                            const long long*, int);
-constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4>, kDown4 = moe_down_kernel<4, 2, 4>;
+constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4, false>, kDown4 = moe_down_kernel<4, 2, 4, false>;
+constexpr DownKernel kDownPipe2 = moe_down_kernel<2, 4, 2, true>, kDownPipe4 = moe_down_kernel<4, 2, 2, true>;
 int g_moe_down_variant = 0;
 }  // namespace
 
-int moe_down_variants() { return 3; }
+int moe_down_variants() { return 5; }
 void set_moe_down_variant(int v) { g_moe_down_variant = v >= 0 && v < moe_down_variants() ? v : 0; }
 
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
@@ -422,8 +458,19 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
   if (T == 0) return cudaSuccess;
   if (K < 1 || K > kRouteMaxK || (acc && (E < K || E > kRouteMaxE))) return cudaErrorInvalidValue;
   const int groups = std::max(1, kWarps / K);  // groups of NR rows per block (K jobs each): R = NR * groups
+  const int chunks = F / 8, round4 = 32 * 2;  // a row's 16-byte chunks; NR 4's chunks per round
+  const bool pipe = T == 1 && F % 8 == 0 && chunks != 2 * round4;
+  const int v = g_moe_down_variant ? g_moe_down_variant : (pipe ? 4 : 0);
+  if (v >= 3) {  // pipelined: rows per block R = NR * groups * m, the smallest m with one wave at 2 blocks per SM
+    const int nr = v == 3 ? 2 : 4, base = nr * groups;
+    int R = base;
+    while ((D + R - 1) / R * T > 2 * sm_count() && (R + base) * K <= kDownPart && R + base <= kWarps * 32) R += base;
+    if (R * K <= kDownPart)
+      return launch(v == 3 ? kDownPipe2 : kDownPipe4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids,
+                    weights, K, D, F, R, acc, E);
+  }
   const int blocks_of_two = (D + 2 * groups - 1) / (2 * groups) * T;
-  const bool two = g_moe_down_variant == 1 || (g_moe_down_variant == 0 && blocks_of_two <= 4 * sm_count());
+  const bool two = v == 1 || (v != 2 && blocks_of_two <= 4 * sm_count());
   const int R = (two ? 2 : 4) * groups;
   return launch(two ? kDown2 : kDown4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F,
                 R, acc, E);

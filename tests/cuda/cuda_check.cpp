@@ -173,17 +173,26 @@ std::string fmt(const char* f, auto... a) {
 void check_gemv() {
   struct C { int T, N, K; bool acc; };
   for (C c : {C{1, 1, 8, false}, C{1, 37, 64, false}, C{1, 129, 100, false}, C{3, 64, 2048, false}, C{8, 300, 512, true},
-              C{5, 17, 33, true}, C{2, 1000, 4096, false}, C{1, 513, 14336, true}}) {
+              C{5, 17, 33, true}, C{2, 1000, 4096, false}, C{1, 513, 14336, true},
+              // one token, rows of 2 rounds and 1 chunk, 3 rounds (pipelined rounds, an odd count)
+              C{1, 300, 2056, false}, C{1, 64, 6144, true}}) {
     auto x = randn(size_t(c.T) * c.K), w = randn(size_t(c.N) * c.K, 0.05f), y0 = randn(size_t(c.T) * c.N);
     auto wb = bf16_of(w);
     std::vector<float> ref = y0;
     if (c.acc) matmul_add(ref.data(), x.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
     else matmul(ref.data(), x.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
-    Dev<float> dx(x), dy(y0);
+    Dev<float> dx(x), dy(y0), dy2(y0);
     Dev<uint16_t> dw(wb);
-    if (!c.acc) dy.poison();
+    if (!c.acc) dy.poison(), dy2.poison();
+    cu::set_gemv_pipe(2);
     CK(cu::gemv(dy.p, dx.p, dw.p, c.T, c.N, c.K, c.acc, 0));
-    report(fmt("gemv T=%d N=%d K=%d%s", c.T, c.N, c.K, c.acc ? " +=" : ""), rel(dy.get(), ref), 1e-5);
+    cu::set_gemv_pipe(0);  // the same sums without the pipelined rounds: the same bits
+    CK(cu::gemv(dy2.p, dx.p, dw.p, c.T, c.N, c.K, c.acc, 0));
+    cu::set_gemv_pipe(1);
+    const auto got = dy.get();
+    const bool same = got == dy2.get();
+    report(fmt("gemv T=%d N=%d K=%d%s", c.T, c.N, c.K, c.acc ? " +=" : ""), same ? rel(got, ref) : 1.0, 1e-5,
+           same ? "rounds pipelined or not: same bits" : "rounds pipelined or not: bits DIFFER");
   }
   // The input norm folded in, against the CPU's rmsnorm + matmul.
   for (C c : {C{1, 37, 64, false}, C{3, 64, 2048, false}, C{8, 300, 512, true}, C{5, 17, 33, false}, C{1, 513, 4096, true}}) {
