@@ -68,9 +68,10 @@ struct GemvSegs {
   int zero_n;
 };
 
-// NR rows per warp: 2 for one token (half the blocks of NR = 1: one wave at the OLMoE / Qwen3
-// shapes instead of about 1.5; 3-5% faster per token, docs/benchmarks.md), else 1 (T > 1 was not
-// timed). TIERMOE_CUDA_GEMV3_ROWS=1|2 forces either (A/B timing).
+// NR rows per warp: 2 for one token where the stream (below) does not fit (half the blocks of NR =
+// 1: one wave at the OLMoE / Qwen3 shapes instead of about 1.5; 3-5% faster per token,
+// docs/benchmarks.md), else 1 (T > 1 was not timed). TIERMOE_CUDA_GEMV3_ROWS=1|2 forces either
+// instead of the stream (A/B timing).
 template <int TT, bool NORM, int NR>
 __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const float* __restrict__ x, int T,
                                                             int K, const float* __restrict__ nw, float eps,
@@ -87,6 +88,54 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
   gemv_rows<TT, NORM, NR>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
   if (b == 0)
     for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
+}
+
+// gemv3 of one token as a stream (K % 2048 == 0, x staged): one wave of blocks (2 per SM) stage x
+// (times nw, and inv with the norm) once, then every warp walks the rows of the three segments,
+// gridDim.x * kWarps apart, in units of 2048 weights (8 16-byte loads per lane), the next unit's
+// loads issued before this one's dot product; the first unit's before the wait. Why: by rows, the
+// q/k/v rows of the OLMoE / Qwen3 shapes take 1.5 waves of blocks or two rounds per warp, each
+// round or wave a memory latency. The sums run in the same order as gemv_rows's: the same bits.
+template <bool NORM>
+__global__ void __launch_bounds__(kWarps * 32, 2) gemv3_stream_kernel(GemvSegs segs, const float* __restrict__ x,
+                                                                      int K, const float* __restrict__ nw, float eps) {
+  constexpr int kUnit = 2048, kL = kUnit / 256;  // weights per unit, loads per lane per unit
+  __shared__ GemvStage st;
+  const int lane = threadIdx.x & 31, P = K / kUnit, stride = gridDim.x * kWarps;
+  const int w0 = blockIdx.x * kWarps + (threadIdx.x >> 5), N = segs.N[0] + segs.N[1] + segs.N[2];
+  const int units = (w0 < N ? (N - 1 - w0) / stride + 1 : 0) * P;
+  auto row_of = [&](int u) { return w0 + u / P * stride; };
+  auto weights_of = [&](int n) {  // row n of the three segments back to back
+    return n < segs.N[0] ? segs.W[0] + size_t(n) * K
+                         : (n < segs.N[0] + segs.N[1] ? segs.W[1] + size_t(n - segs.N[0]) * K
+                                                      : segs.W[2] + size_t(n - segs.N[0] - segs.N[1]) * K);
+  };
+  auto load = [&](uint4(&v)[kL], int u) {
+    const bf16* w = weights_of(row_of(u)) + size_t(u % P) * kUnit + 8 * lane;
+#pragma unroll
+    for (int j = 0; j < kL; ++j) v[j] = ldg16(w + 256 * j);
+  };
+  uint4 a[kL], b[kL];
+  if (units > 0) load(a, 0);
+  pdl_wait();
+  pdl_launch_dependents();
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
+  stage_x<1, NORM>(st, x, nw, eps, 1, K);
+  const float inv = NORM ? st.inv[0] : 1.f;
+  float s = 0.f;
+  auto dot = [&](const uint4(&v)[kL], int u) {
+    const float* xs = st.x + (u % P) * kUnit + 8 * lane;
+#pragma unroll
+    for (int j = 0; j < kL; ++j) s += dot8(v[j], xs + 256 * j);
+    if ((u + 1) % P) return;  // the row goes on in the next unit
+    const float r = warp_sum(s) * inv;
+    s = 0.f;
+    const int n = row_of(u);
+    if (lane == 0)
+      (n < segs.N[0] ? segs.y[0][n] : (n < segs.N[0] + segs.N[1] ? segs.y[1][n - segs.N[0]] : segs.y[2][n - segs.N[0] - segs.N[1]])) = r;
+  };
+  stream_units(a, b, units, load, dot);
 }
 
 // tokens[t] = the id in best[t] (0 if none), and best[t] = 0 for the next step.
@@ -178,6 +227,9 @@ cudaError_t gemv_router_logits(float* y, const float* x, const bf16* W, int T, i
 template <int TT>
 cudaError_t launch_gemv3(GemvSegs g, const float* x, int T, int K, const float* nw, float eps, cudaStream_t s) {
   const bool staged = stage_fits(T, K);
+  if (TT == 1 && g_gemv3_rows == 0 && staged && K % 2048 == 0)
+    return nw ? launch(gemv3_stream_kernel<true>, 2 * sm_count(), kWarps * 32, 0, s, g, x, K, nw, eps)
+              : launch(gemv3_stream_kernel<false>, 2 * sm_count(), kWarps * 32, 0, s, g, x, K, nw, eps);
   const int rows = g_gemv3_rows ? g_gemv3_rows : (T == 1 ? 2 : 1), block_rows = kWarps * rows;
   int end = 0;
   for (int i = 0; i < 3; ++i) {

@@ -32,6 +32,21 @@ __device__ __forceinline__ void add_logit(long long* acc, float v) {
 }
 __device__ __forceinline__ float logit_of(long long a) { return float(__ll2double_rn(a) * 0x1p-32); }
 
+// A warp's run of units 0 .. units - 1 through two register sets a and b: load(v, u) issues unit
+// u's loads into v, use(v, u) consumes them; unit u + 1's loads are issued before unit u is used,
+// so that the memory system always has the next unit. The caller has loaded unit 0 into a (before
+// its wait, typically).
+template <class Buf, class Load, class Use>
+__device__ __forceinline__ void stream_units(Buf& a, Buf& b, int units, Load load, Use use) {
+  for (int u = 0; u < units; u += 2) {
+    if (u + 1 < units) load(b, u + 1);
+    use(a, u);
+    if (u + 1 >= units) break;
+    if (u + 2 < units) load(a, u + 2);
+    use(b, u + 1);
+  }
+}
+
 // wv[r][j] = chunk (base + lane + 32 j) of row r (rows stride apart), for rows r < nr and chunks
 // < L8 (16-byte chunks per row); the others are left as they are.
 template <int NR, int CH>
@@ -170,13 +185,10 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
     constexpr int kRound = 32 * CH;  // chunks per round
     if constexpr (PIPE) {  // the next round's loads in flight during this one's dot products
       uint4 wn[NR][CH] = {};
-      for (int base = lane; base < K8; base += 2 * kRound) {
-        if (base + kRound < K8) load_row_chunks(wn, w, K, nr, base + kRound, K8);
-        round(wv, base);
-        if (base + kRound >= K8) break;
-        if (base + 2 * kRound < K8) load_row_chunks(wv, w, K, nr, base + 2 * kRound, K8);
-        round(wn, base + kRound);
-      }
+      stream_units(
+          wv, wn, lane < K8 ? (K8 - lane + kRound - 1) / kRound : 0,
+          [&](uint4(&v)[NR][CH], int u) { load_row_chunks(v, w, K, nr, lane + u * kRound, K8); },
+          [&](const uint4(&v)[NR][CH], int u) { round(v, lane + u * kRound); });
     } else {
       for (int base = lane; base < K8; base += kRound) {
         if (base > lane) load_row_chunks(wv, w, K, nr, base, K8);

@@ -133,8 +133,8 @@ void set_moe_gate_up_stream(int blocks_per_sm);
 // gemv() / gemv_router_logits() of one token with rows over 8 * 256 weights (K > 2048): rounds of
 // loads pipelined 0 never, 1 where the grid fits 2 blocks per SM (default), 2 always. For A/B timing.
 void set_gemv_pipe(int mode);
-// gemv3's rows per warp, for A/B timing: 0 (default) chosen per launch (2 for one token, else 1),
-// 1 or 2 forced.
+// gemv3's rows per warp, for A/B timing: 0 (default) chosen per launch (one token: the stream where
+// K % 2048 == 0 and x is staged, else 2 rows; else 1), 1 or 2 forced.
 void set_gemv3_rows(int rows);
 
 // Router: per token, softmax over logits[T, E] in FP32, top-k (ties: lower index), weights

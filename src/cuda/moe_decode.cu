@@ -229,12 +229,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_gate_up_stream_kernel(floa
   };
   uint4 a[kL], b[kL];
   if (units > 0) load(a, 0);
-  for (int u = 0; u < units; u += 2) {
-    load(b, u + 1);
-    dot(a, u);
-    if (u + 2 < units) load(a, u + 2);
-    dot(b, u + 1);
-  }
+  stream_units(a, b, units, load, dot);
 }
 
 // grid (ceil(F / kWarps), T*K): one warp per (t, k, f).
@@ -341,13 +336,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
   };
   if constexpr (PIPE) {
     uint4 wn[NR][CH];
-    for (int u = 0; u < units; u += 2) {
-      if (u + 1 < units) load_unit(wn, u + 1);
-      dot_unit(wv, u);
-      if (u + 1 >= units) break;
-      if (u + 2 < units) load_unit(wv, u + 2);
-      dot_unit(wn, u + 1);
-    }
+    stream_units(wv, wn, units, load_unit, dot_unit);
   } else {
     for (int u = 0; u < units; ++u) {
       if (u > 0) load_unit(wv, u);

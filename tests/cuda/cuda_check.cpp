@@ -262,7 +262,9 @@ void check_gemv_argmax() {
 
 void check_gemv3() {
   struct C { int T, Nq, Nk, K; };
-  for (C c : {C{1, 4096, 512, 2048}, C{3, 64, 32, 64}, C{8, 96, 40, 48}, C{2, 24, 8, 20}}) {
+  // one token: the stream (rows of one and of two units, several rows per warp) unless forced by rows
+  for (C c : {C{1, 4096, 512, 2048}, C{3, 64, 32, 64}, C{8, 96, 40, 48}, C{2, 24, 8, 20}, C{1, 520, 72, 4096},
+              C{1, 2048, 2048, 2048}}) {
     auto x = randn(size_t(c.T) * c.K);
     const int Ns[3] = {c.Nq, c.Nk, c.Nk};
     std::vector<std::vector<uint16_t>> wb(3);

@@ -27,6 +27,7 @@
 
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
+#include "cuda/gemv.cuh"
 #include "cuda/kernels.h"
 #include "cuda/probe_step.cuh"
 
@@ -79,15 +80,10 @@ __global__ void __launch_bounds__(kThreads) stream_gemv_kernel(float* __restrict
     if (lane == 0) y[row_of(u)] = s;
     s = 0.f;
   };
-  for (int u = 0; u < units; u += 2) {
-    if (u + 1 < units) load(b, u + 1);
-    s += dot(a, u);
+  cu::stream_units(a, b, units, load, [&](const uint4(&v)[L], int u) {
+    s += dot(v, u);
     finish(u);
-    if (u + 1 >= units) break;
-    if (u + 2 < units) load(a, u + 2);
-    s += dot(b, u + 1);
-    finish(u + 1);
-  }
+  });
 }
 
 // L for a K: 16-byte loads per lane per unit (8 = a 2048-wide row; shorter rows whole).
