@@ -112,6 +112,7 @@ class CudaBackend final : public Backend {
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_GROUPED_GROUPS")) cuda::set_moe_grouped_groups(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV3_ROWS")) cuda::set_gemv3_rows(std::atoi(e));
+    if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_STREAM")) cuda::set_gemv_stream(e[0] != '0');
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_PIPE")) cuda::set_gemv_pipe(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_GATE_UP_STREAM")) cuda::set_moe_gate_up_stream(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) opts_.tc_decode_keys = std::max(0, std::atoi(e));

@@ -90,19 +90,23 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
     for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
 }
 
-// gemv3 of one token as a stream (K % 2048 == 0, x staged): one wave of blocks (2 per SM) stage x
-// (times nw, and inv with the norm) once, then every warp walks the rows of the three segments,
-// gridDim.x * kWarps apart, in units of 2048 weights (8 16-byte loads per lane), the next unit's
-// loads issued before this one's dot product; the first unit's before the wait. Why: by rows, the
-// q/k/v rows of the OLMoE / Qwen3 shapes take 1.5 waves of blocks or two rounds per warp, each
-// round or wave a memory latency. The sums run in the same order as gemv_rows's: the same bits.
-template <bool NORM>
-__global__ void __launch_bounds__(kWarps * 32, 2) gemv3_stream_kernel(GemvSegs segs, const float* __restrict__ x,
-                                                                      int K, const float* __restrict__ nw, float eps) {
+// One token's GEMV as a stream (K % 2048 == 0, x staged): one wave of blocks (2 per SM) stage x
+// (times nw, and inv with the norm) once, then every warp walks the rows of up to three segments
+// (q/k/v for gemv3; one for the LM head), gridDim.x * kWarps apart, in units of 2048 weights (8
+// 16-byte loads per lane), the next unit's loads issued before this one's dot product; the first
+// unit's before the wait. Why: by rows, the q/k/v rows of the OLMoE / Qwen3 shapes take 1.5 waves
+// of blocks or two rounds per warp, an LM head several waves, each round or wave a memory latency.
+// The sums run in the same order as gemv_rows's: the same bits. With ARGMAX (best, T = 1) each warp
+// keeps the argmax_key of its rows and the block's best goes into best[0] as gemv_kernel's does.
+template <bool NORM, bool ARGMAX>
+__global__ void __launch_bounds__(kWarps * 32, 2) gemv_stream_kernel(GemvSegs segs, const float* __restrict__ x, int K,
+                                                                     const float* __restrict__ nw, float eps,
+                                                                     unsigned long long* best) {
   constexpr int kUnit = 2048, kL = kUnit / 256;  // weights per unit, loads per lane per unit
   __shared__ GemvStage st;
-  const int lane = threadIdx.x & 31, P = K / kUnit, stride = gridDim.x * kWarps;
-  const int w0 = blockIdx.x * kWarps + (threadIdx.x >> 5), N = segs.N[0] + segs.N[1] + segs.N[2];
+  __shared__ unsigned long long warp_best[kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, P = K / kUnit, stride = gridDim.x * kWarps;
+  const int w0 = blockIdx.x * kWarps + warp, N = segs.N[0] + segs.N[1] + segs.N[2];
   const int units = (w0 < N ? (N - 1 - w0) / stride + 1 : 0) * P;
   auto row_of = [&](int u) { return w0 + u / P * stride; };
   auto weights_of = [&](int n) {  // row n of the three segments back to back
@@ -117,6 +121,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv3_stream_kernel(GemvSegs s
   };
   uint4 a[kL], b[kL];
   if (units > 0) load(a, 0);
+  // best[0] as this block starts: a filter for the atomic (gemv_kernel's reason), read before the wait.
+  const unsigned long long seen = ARGMAX && threadIdx.x == 0 ? __ldcg(best) : 0;
   pdl_wait();
   pdl_launch_dependents();
   if (blockIdx.x == 0)
@@ -124,6 +130,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv3_stream_kernel(GemvSegs s
   stage_x<1, NORM>(st, x, nw, eps, 1, K);
   const float inv = NORM ? st.inv[0] : 1.f;
   float s = 0.f;
+  unsigned long long key = 0;  // ARGMAX: the warp's best row so far
   auto dot = [&](const uint4(&v)[kL], int u) {
     const float* xs = st.x + (u % P) * kUnit + 8 * lane;
 #pragma unroll
@@ -132,10 +139,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv3_stream_kernel(GemvSegs s
     const float r = warp_sum(s) * inv;
     s = 0.f;
     const int n = row_of(u);
+    if (ARGMAX) key = max(key, argmax_key(r, n));
     if (lane == 0)
       (n < segs.N[0] ? segs.y[0][n] : (n < segs.N[0] + segs.N[1] ? segs.y[1][n - segs.N[0]] : segs.y[2][n - segs.N[0] - segs.N[1]])) = r;
   };
   stream_units(a, b, units, load, dot);
+  if constexpr (ARGMAX) {
+    if (lane == 0) warp_best[warp] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < kWarps; ++w) key = max(key, warp_best[w]);
+      if (key > seen) atomicMax(best, key);
+    }
+  }
 }
 
 // tokens[t] = the id in best[t] (0 if none), and best[t] = 0 for the next step.
@@ -152,20 +168,37 @@ __global__ void argmax_tokens_kernel(int32_t* tokens, unsigned long long* best, 
 
 bool g_gemv_stage = true;  // TIERMOE_CUDA_GEMV_STAGE=0: the fold (each warp reads x itself)
 int g_gemv3_rows = 0;      // gemv3's rows per warp: 0 chosen per launch, else forced
+bool g_gemv_stream = true;  // one token's plain / LM-head gemv as a stream (TIERMOE_CUDA_GEMV_STREAM=0: by rows)
 int g_gemv_pipe = 1;  // gemv of one token, rows of several rounds pipelined: 0 never, 1 in one wave, 2 always
 }  // namespace
 
 bool stage_fits(int T, int K) { return g_gemv_stage && K % 8 == 0 && T * K <= kStageFloats; }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
+void set_gemv_stream(bool on) { g_gemv_stream = on; }
 void set_gemv_pipe(int mode) { g_gemv_pipe = std::clamp(mode, 0, 2); }
 void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 1 || rows == 2 ? rows : 0; }
 
 namespace {
+cudaError_t launch_gemv_stream(const GemvSegs& g, const float* x, int K, const float* nw, float eps,
+                               unsigned long long* best, cudaStream_t s) {
+  const unsigned grid = unsigned(2 * sm_count());
+  if (best)
+    return nw ? launch(gemv_stream_kernel<true, true>, grid, kWarps * 32, 0, s, g, x, K, nw, eps, best)
+              : launch(gemv_stream_kernel<false, true>, grid, kWarps * 32, 0, s, g, x, K, nw, eps, best);
+  return nw ? launch(gemv_stream_kernel<true, false>, grid, kWarps * 32, 0, s, g, x, K, nw, eps, best)
+            : launch(gemv_stream_kernel<false, false>, grid, kWarps * 32, 0, s, g, x, K, nw, eps, best);
+}
+
 template <int TT>
 cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* nw,
                         float eps, RouterLogits rl, unsigned long long* best, cudaStream_t s) {
   const unsigned grid = unsigned((N + kGemvBlockRows - 1) / kGemvBlockRows);
   const bool staged = stage_fits(T, K);
+  // One token's plain or normed rows (the LM head, with or without the argmax), more of them than
+  // the stream's warps: as a stream.
+  if (TT == 1 && g_gemv_stream && staged && K % 2048 == 0 && !accumulate && !rl.acc && N > 2 * sm_count() * kWarps)
+    return launch_gemv_stream(GemvSegs{{y, nullptr, nullptr}, {W, nullptr, nullptr}, {N, 0, 0}, {0, 0, 0}, nullptr, 0},
+                              x, K, nw, eps, best, s);
   // One token's rows of more than one round of loads: the pipelined rounds, where their registers (2
   // blocks per SM) still leave one wave (no argmax form: the LM heads measured are 2048 wide).
   const bool pipe = g_gemv_pipe == 2 || (g_gemv_pipe == 1 && grid <= unsigned(2 * sm_count()));
@@ -227,9 +260,7 @@ cudaError_t gemv_router_logits(float* y, const float* x, const bf16* W, int T, i
 template <int TT>
 cudaError_t launch_gemv3(GemvSegs g, const float* x, int T, int K, const float* nw, float eps, cudaStream_t s) {
   const bool staged = stage_fits(T, K);
-  if (TT == 1 && g_gemv3_rows == 0 && staged && K % 2048 == 0)
-    return nw ? launch(gemv3_stream_kernel<true>, 2 * sm_count(), kWarps * 32, 0, s, g, x, K, nw, eps)
-              : launch(gemv3_stream_kernel<false>, 2 * sm_count(), kWarps * 32, 0, s, g, x, K, nw, eps);
+  if (TT == 1 && g_gemv3_rows == 0 && staged && K % 2048 == 0) return launch_gemv_stream(g, x, K, nw, eps, nullptr, s);
   const int rows = g_gemv3_rows ? g_gemv3_rows : (T == 1 ? 2 : 1), block_rows = kWarps * rows;
   int end = 0;
   for (int i = 0; i < 3; ++i) {

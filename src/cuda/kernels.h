@@ -130,6 +130,9 @@ cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const f
 // moe_gate_up_routed of one token (D % 2048 == 0) as a stream of one wave, blocks_per_sm 1 or 2 (the
 // default), or 0: the kernel of one warp per row for every T. For A/B timing.
 void set_moe_gate_up_stream(int blocks_per_sm);
+// gemv() / gemv_argmax() of one token, plain or normed, not accumulating, K % 2048 == 0, more rows
+// than 16 per SM (the LM head): as a stream (default) or by rows. For A/B timing.
+void set_gemv_stream(bool on);
 // gemv() / gemv_router_logits() of one token with rows over 8 * 256 weights (K > 2048): rounds of
 // loads pipelined 0 never, 1 where the grid fits 2 blocks per SM (default), 2 always. For A/B timing.
 void set_gemv_pipe(int mode);

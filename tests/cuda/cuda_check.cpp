@@ -222,7 +222,9 @@ void check_gemv() {
 void check_gemv_argmax() {
   struct C { int T, N, K; const char* kind; };
   for (C c : {C{1, 1, 8, "random"}, C{1, 8192, 2048, "random"}, C{3, 1000, 64, "random"}, C{8, 37, 512, "random"},
-              C{1, 151936, 64, "random"}, C{2, 5000, 128, "ties"}, C{8, 300, 64, "ties"}, C{4, 100, 32, "zeros"}}) {
+              C{1, 151936, 64, "random"}, C{2, 5000, 128, "ties"}, C{8, 300, 64, "ties"}, C{4, 100, 32, "zeros"},
+              // one token as a stream: ties within and across warps, rows of two units, zeros
+              C{1, 8192, 2048, "ties"}, C{1, 5000, 4096, "ties"}, C{1, 4500, 2048, "zeros"}}) {
     auto x = randn(size_t(c.T) * c.K, 3.f), nw = randn(c.K), w = randn(size_t(c.N) * c.K, 0.05f);
     const std::string kind = c.kind;
     if (kind == "ties")  // rows 3, 7, 11, ... repeat row 0 (8 rows per block: within and across blocks)
@@ -246,7 +248,9 @@ void check_gemv_argmax() {
       else wrong += got != first;
     }
     for (unsigned long long v : best.get()) wrong += v != 0;
+    cu::set_gemv_stream(false);  // gemv by rows: the same sums, the same bits
     CK(cu::gemv(dy2.p, dx.p, dw.p, c.T, c.N, c.K, false, 0, dnw.p, 1e-5f));
+    cu::set_gemv_stream(true);
     const bool same_y = dy.get() == dy2.get();
     report(fmt("gemv_argmax T=%d N=%d K=%d %s: tokens vs argmax of its outputs, best reset", c.T, c.N, c.K, c.kind),
            wrong, 0, same_y ? "outputs = gemv's, bit for bit" : "outputs DIFFER from gemv's");
