@@ -15,10 +15,10 @@ namespace cg = cooperative_groups;
 
 constexpr int kDownPart = 256;   // moe_down's partial sums per block, R * K at most
 static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
-constexpr int kRouteMaxCluster = 16;
+constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
 // moe_gate_up_stream_kernel's blocks per SM (0: moe_gate_up_routed_kernel for every T), for A/B timing
 // (set_moe_gate_up_stream). 2: its launch bound, and the register budget's most.
-int g_gate_up_stream = 2;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
+int g_gate_up_stream = 2;
 
 // Router logits as NaN-proof values: NaN ranks last, so every rank gets exactly one expert.
 __device__ __forceinline__ float rank_value(float v) { return v != v ? -INFINITY : v; }
