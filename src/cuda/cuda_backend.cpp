@@ -303,14 +303,16 @@ class CudaBackend final : public Backend {
   const int32_t **tables_ = nullptr, **h_tables_ = nullptr;
   int batch_splits_ = 0;
   bool decode_attention_ = true;
-  // Decode attention on the tensor cores (CudaBackendOptions::tc_decode_keys, tc_decode_min_group)
-  // for a sequence of `keys` keys: one sequence's, or a decode batch's longest.
-  bool tc_decode_keys(int keys) const {
-    return opts_.tc_decode_keys > 0 && cfg_.num_heads >= opts_.tc_decode_min_group * cfg_.num_kv_heads &&
-           keys >= opts_.tc_decode_keys && cuda::attention_prefill_supported(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
+  // Decode attention on the tensor cores (CudaBackendOptions::tc_decode_min_group) for a sequence
+  // of `keys` keys, from `from` keys on: one sequence's (tc_decode_keys), or a decode batch's
+  // longest (tc_decode_batch_keys).
+  bool tc_decode_keys(int keys, int from) const {
+    return from > 0 && cfg_.num_heads >= opts_.tc_decode_min_group * cfg_.num_kv_heads && keys >= from &&
+           cuda::attention_prefill_supported(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
   }
   bool tc_decode(const std::vector<Piece>& pieces) const {
-    return pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT && tc_decode_keys(pieces[0].cache->length() + pieces[0].n);
+    return pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT &&
+           tc_decode_keys(pieces[0].cache->length() + pieces[0].n, opts_.tc_decode_keys);
   }
   // The tensor-core decode's key splits: 4 per 1024 keys from 1024 on (at 4096 keys 3-6% faster per
   // token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md).
@@ -880,7 +882,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   if (B > 1 && T == B && decode_attention_ && batch_attention_) {  // one token per sequence
     int splits = 0, longest = 0;
     for (const Piece& p : pieces) splits = std::max(splits, p.n_splits), longest = std::max(longest, p.cache->length() + 1);
-    batch_tc_ = batch_tc_allowed_ && tc_decode_keys(longest);
+    batch_tc_ = batch_tc_allowed_ && tc_decode_keys(longest, opts_.tc_decode_batch_keys);
     if (batch_tc_)
       splits = batch_splits(std::max(1, tc_decode_splits(longest)), longest, cuda::kPrefillTileKeys, tc_resident_blocks_, B);
     else

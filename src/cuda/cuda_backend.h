@@ -31,11 +31,15 @@ struct CudaBackendOptions {
   // Batch-1 decode attention on the tensor cores (cuda::attention_prefill with key splits, the new
   // rows appended by qk_norm_rope) for models with at least tc_decode_min_group query heads per KV
   // head, from tc_decode_keys keys on (0: never); else cuda::attention_decode. On one H200 it cut a
-  // Qwen3-30B-A3B step (G = 8) at 4096 keys by 18% and at 1024 by 3%, lost 1% at 16 keys, and made
-  // the G = 1 OLMoE shape 8% slower at 4096 (a query row fills 1 of an MMA tile's 16 rows); the
-  // figures are in docs/benchmarks.md. TIERMOE_CUDA_DECODE_TC=N sets tc_decode_keys,
+  // Qwen3-30B-A3B step (G = 8) at 4096 keys by 18% and made the G = 1 OLMoE shape 8% slower at 4096
+  // (a query row fills 1 of an MMA tile's 16 rows). Since the per-head decode kernel (`520fcf4`) it
+  // loses below 2048 keys: -5% per token without it at 1024 and 1536 keys on the Qwen3 16-layer
+  // shape, -0.7% on Mixtral at 1024; at 2048-4096 it still wins by 3-5% (docs/benchmarks.md).
+  // tc_decode_batch_keys: the same for a decode batch's longest sequence (the per-head kernel is
+  // for one sequence; 1024 as measured before it). TIERMOE_CUDA_DECODE_TC=N sets tc_decode_keys,
   // TIERMOE_CUDA_DECODE_TC_MIN_G=N tc_decode_min_group (A/B timing).
-  int tc_decode_keys = 1024;
+  int tc_decode_keys = 2048;
+  int tc_decode_batch_keys = 1024;
   int tc_decode_min_group = 4;
   uint64_t dummy_seed = 1;   // --load-format dummy
 };
