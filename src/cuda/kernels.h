@@ -163,7 +163,8 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 // experts from acc instead of reading ids, and reads weights (moe_gate_up_routed's) after the wait.
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s, const long long* acc = nullptr, int E = 0);
-// moe_down's kernel shape, for A/B timing: 0 (default) chosen per launch, 1 / 2 pinned to 2 / 4 rows per warp.
+// moe_down's kernel shape, for A/B timing: 0 (default) chosen per launch, 1 / 2 pinned to 2 / 4 rows per
+// warp, 3 to 4 rows with pipelined rounds.
 int moe_down_variants();
 void set_moe_down_variant(int v);
 

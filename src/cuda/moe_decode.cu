@@ -431,15 +431,16 @@ namespace {
 // rounds: measured (docs/benchmarks.md), it won at Qwen3-30B-A3B's F = 768 (rounds of 64 and 32
 // chunks; -2.4 to -2.7% per token) and Mixtral's F = 14336 (28 rounds; -0.9%), and lost at
 // OLMoE's F = 1024 (two full rounds; +1.5 to +1.7%). Three shapes, not a model of why.
-// TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4, 3 / 4 the pipelined NR 2 / 4 (A/B; set_moe_down_variant).
+// The pipelined NR 2 lost to the pipelined NR 4 on every shape measured, so it is not built.
+// TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4, 3 the pipelined NR 4 (A/B; set_moe_down_variant).
 using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int,
                            const long long*, int);
 constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4, false>, kDown4 = moe_down_kernel<4, 2, 4, false>;
-constexpr DownKernel kDownPipe2 = moe_down_kernel<2, 4, 2, true>, kDownPipe4 = moe_down_kernel<4, 2, 2, true>;
+constexpr DownKernel kDownPipe4 = moe_down_kernel<4, 2, 2, true>;
 int g_moe_down_variant = 0;
 }  // namespace
 
-int moe_down_variants() { return 5; }
+int moe_down_variants() { return 4; }
 void set_moe_down_variant(int v) { g_moe_down_variant = v >= 0 && v < moe_down_variants() ? v : 0; }
 
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
@@ -449,13 +450,13 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
   const int groups = std::max(1, kWarps / K);  // groups of NR rows per block (K jobs each): R = NR * groups
   const int chunks = F / 8, round4 = 32 * 2;  // a row's 16-byte chunks; NR 4's chunks per round
   const bool pipe = T == 1 && F % 8 == 0 && chunks != 2 * round4;
-  const int v = g_moe_down_variant ? g_moe_down_variant : (pipe ? 4 : 0);
-  if (v >= 3) {  // pipelined: rows per block R = NR * groups * m, the smallest m with one wave at 2 blocks per SM
-    const int nr = v == 3 ? 2 : 4, base = nr * groups;
+  const int v = g_moe_down_variant ? g_moe_down_variant : (pipe ? 3 : 0);
+  if (v == 3) {  // pipelined: rows per block R = 4 * groups * m, the smallest m with one wave at 2 blocks per SM
+    const int base = 4 * groups;
     int R = base;
     while ((D + R - 1) / R * T > 2 * sm_count() && (R + base) * K <= kDownPart && R + base <= kWarps * 32) R += base;
     if (R * K <= kDownPart)
-      return launch(v == 3 ? kDownPipe2 : kDownPipe4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids,
+      return launch(kDownPipe4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids,
                     weights, K, D, F, R, acc, E);
   }
   const int blocks_of_two = (D + 2 * groups - 1) / (2 * groups) * T;
