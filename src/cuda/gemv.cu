@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
 // The sums run in the same order as gemv_rows's: the same bits. With ARGMAX (best, T = 1) each warp
 // keeps the argmax_key of its rows and the block's best goes into best[0] as gemv_kernel's does.
 template <bool NORM, bool ARGMAX>
-__global__ void __launch_bounds__(kWarps * 32, 2) gemv_stream_kernel(GemvSegs segs, const float* __restrict__ x, int K,
+__global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) gemv_stream_kernel(GemvSegs segs, const float* __restrict__ x, int K,
                                                                      const float* __restrict__ nw, float eps,
                                                                      unsigned long long* best) {
   constexpr int kUnit = 2048, kL = kUnit / 256;  // weights per unit, loads per lane per unit
@@ -181,7 +181,7 @@ void set_gemv3_rows(int rows) { g_gemv3_rows = rows == 1 || rows == 2 ? rows : 0
 namespace {
 cudaError_t launch_gemv_stream(const GemvSegs& g, const float* x, int K, const float* nw, float eps,
                                unsigned long long* best, cudaStream_t s) {
-  const unsigned grid = unsigned(2 * sm_count());
+  const unsigned grid = unsigned(kStreamBlocksPerSm * sm_count());
   if (best)
     return nw ? launch(gemv_stream_kernel<true, true>, grid, kWarps * 32, 0, s, g, x, K, nw, eps, best)
               : launch(gemv_stream_kernel<false, true>, grid, kWarps * 32, 0, s, g, x, K, nw, eps, best);
@@ -196,12 +196,13 @@ cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, i
   const bool staged = stage_fits(T, K);
   // One token's plain or normed rows (the LM head, with or without the argmax), more of them than
   // the stream's warps: as a stream.
-  if (TT == 1 && g_gemv_stream && staged && K % 2048 == 0 && !accumulate && !rl.acc && N > 2 * sm_count() * kWarps)
+  if (TT == 1 && g_gemv_stream && staged && K % 2048 == 0 && !accumulate && !rl.acc &&
+      N > kStreamBlocksPerSm * sm_count() * kWarps)
     return launch_gemv_stream(GemvSegs{{y, nullptr, nullptr}, {W, nullptr, nullptr}, {N, 0, 0}, {0, 0, 0}, nullptr, 0},
                               x, K, nw, eps, best, s);
   // One token's rows of more than one round of loads: the pipelined rounds, where their registers (2
   // blocks per SM) still leave one wave (no argmax form: the LM heads measured are 2048 wide).
-  const bool pipe = g_gemv_pipe == 2 || (g_gemv_pipe == 1 && grid <= unsigned(2 * sm_count()));
+  const bool pipe = g_gemv_pipe == 2 || (g_gemv_pipe == 1 && grid <= unsigned(kStreamBlocksPerSm * sm_count()));
   if (TT == 1 && pipe && !best && K % 8 == 0 && K / 8 > 32 * kLoads)
     return nw ? launch(gemv_kernel<1, true, false, true>, grid, kWarps * 32, 0, s, y, x, W, T, N, K, accumulate, nw, eps,
                        staged, rl, best)

@@ -23,6 +23,10 @@ constexpr int kWarps = 8;  // warps per block in the GEMV-style kernels
 // for that). 16 per lane took ~130 registers and halved the blocks per SM.
 constexpr int kLoads = 8;
 constexpr int kGemvRows = 1;
+// Blocks per SM of the stream and pipelined kernels: their two register sets take up to 128
+// registers a thread (their launch bound), so an SM holds two of their blocks, and their grids are
+// sized for one wave of that.
+constexpr int kStreamBlocksPerSm = 2;
 
 // The router folded into the o projection (RouterLogits, kernels.h) sums each block's share of the
 // unscaled logits in fixed point, units of 2^-32, with integer atomics: the same bits in any block

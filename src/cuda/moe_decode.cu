@@ -17,8 +17,8 @@ constexpr int kDownPart = 256;   // moe_down's partial sums per block, R * K at 
 static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
 constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
 // moe_gate_up_stream_kernel's blocks per SM (0: moe_gate_up_routed_kernel for every T), for A/B timing
-// (set_moe_gate_up_stream). 2: its launch bound, and the register budget's most.
-int g_gate_up_stream = 2;
+// (set_moe_gate_up_stream): its launch bound, the register budget's most, by default.
+int g_gate_up_stream = kStreamBlocksPerSm;
 
 // Router logits as NaN-proof values: NaN ranks last, so every rank gets exactly one expert.
 __device__ __forceinline__ float rank_value(float v) { return v != v ? -INFINITY : v; }
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* 
 // Why: the kernel above runs about two waves of short blocks, each routing again before its first
 // load, and its warps' loads stop between rows; here the loads run on across rows and experts.
 // The sums run in the same order as the kernel above: the same bits. The last block is the router column.
-__global__ void __launch_bounds__(kWarps * 32, 2) moe_gate_up_stream_kernel(float* __restrict__ act, int32_t* ids,
+__global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) moe_gate_up_stream_kernel(float* __restrict__ act, int32_t* ids,
                                                                             float* weights, const float* __restrict__ h,
                                                                             const float* __restrict__ nw, float eps,
                                                                             const long long* acc,
@@ -418,7 +418,7 @@ cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const f
                 weights, h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
 }
 
-void set_moe_gate_up_stream(int blocks_per_sm) { g_gate_up_stream = std::clamp(blocks_per_sm, 0, 2); }
+void set_moe_gate_up_stream(int blocks_per_sm) { g_gate_up_stream = std::clamp(blocks_per_sm, 0, kStreamBlocksPerSm); }
 
 namespace {
 // moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per
@@ -436,7 +436,7 @@ namespace {
 using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int,
                            const long long*, int);
 constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4, false>, kDown4 = moe_down_kernel<4, 2, 4, false>;
-constexpr DownKernel kDownPipe4 = moe_down_kernel<4, 2, 2, true>;
+constexpr DownKernel kDownPipe4 = moe_down_kernel<4, 2, kStreamBlocksPerSm, true>;
 int g_moe_down_variant = 0;
 }  // namespace
 
@@ -454,7 +454,7 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
   if (v == 3) {  // pipelined: rows per block R = 4 * groups * m, the smallest m with one wave at 2 blocks per SM
     const int base = 4 * groups;
     int R = base;
-    while ((D + R - 1) / R * T > 2 * sm_count() && (R + base) * K <= kDownPart && R + base <= kWarps * 32) R += base;
+    while ((D + R - 1) / R * T > kStreamBlocksPerSm * sm_count() && (R + base) * K <= kDownPart && R + base <= kWarps * 32) R += base;
     if (R * K <= kDownPart)
       return launch(kDownPipe4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids,
                     weights, K, D, F, R, acc, E);

@@ -1791,7 +1791,8 @@ void check_gemv_unstaged() {
   cu::set_gemv_stage(true);
 }
 
-// gemv3 again with 1 and with 2 rows per warp forced (the default takes 2 at T = 1, else 1).
+// gemv3 again with 1 and with 2 rows per warp forced (the default takes the stream at T = 1 where
+// K % 2048 == 0, else 2 rows at T = 1, else 1).
 void check_gemv3_rows() {
   for (int rows : {1, 2}) {
     std::printf("-- gemv3, %d row(s) per warp --\n", rows);
