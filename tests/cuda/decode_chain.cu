@@ -12,14 +12,19 @@
 //                staged once per block; with B = 1 a kernel holds about half of an SM's
 //                registers, so the next kernel's blocks can be resident and load their first
 //                rows while it runs.
+//   persistent   the whole chain as one kernel (persistent_chain.cuh): a ring of weights in shared
+//                memory fed by bulk copies across the steps, counters in L2 between the steps;
+//                also timed with parts left out (no waits, no compute) to see where its time goes
 // us per layer = replay time / layers, median of 15 replays. Before timing, every stream GEMV
-// shape is checked against today's gemv (relative error, different summation order).
+// shape is checked against today's gemv (relative error, different summation order), and the
+// persistent kernel's final x against the launches'.
 // The run of this harness's first form (the next layer's q/k/v requested into L2 by the small
 // kernels, commit 0277f97) is in docs/benchmarks.md.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -30,9 +35,11 @@
 #include "cuda/gemv.cuh"
 #include "cuda/kernels.h"
 #include "cuda/probe_step.cuh"
+#include "cuda/persistent_chain.cuh"
 
 namespace {
 namespace cu = tiermoe::cuda;
+namespace probe = tiermoe::cuda::probe;
 using bf16 = cu::bf16;
 
 constexpr int kThreads = cu::kProbeThreads, kLayers = 16;
@@ -182,23 +189,19 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
                    bps, err);
     }
 
-  cudaEvent_t e0, e1;
-  LK(cudaEventCreate(&e0));
-  LK(cudaEventCreate(&e1));
   // Which GEMVs of the chain are stream_gemv's (bits: 1 q/k/v, 2 o, 4 gate/up, 8 down), at how many
-  // blocks per SM; each twice, interleaved.
+  // blocks per SM (bps); mask -1: the chain as one persistent kernel (persistent_chain.cuh), run
+  // `mode` (probe::kNoWaits | probe::kNoCompute, | kNoRouting).
+  constexpr int kNoRouting = 4;  // the expert steps' weights requested without waiting for the o projection
   struct Variant {
-    int mask, bps;
+    int mask, bps, mode = 0;
   };
-  const Variant variants[] = {{0, 0}, {15, 2}, {15, 3}, {1, 2}, {2, 2}, {4, 2}, {8, 2}, {1, 3}, {2, 3}, {4, 3}, {8, 3}};
-  for (int round = 0; round < 2; ++round)
-  for (const Variant var : variants) {
+  auto capture = [&](const Variant var, cudaGraphExec_t* exec) -> int {
     cu::set_programmatic_launch(true);
     auto mv = [&](int bit, float* y, const float* in, const bf16* W, int N, int K) -> cudaError_t {
       return var.mask & bit ? stream_gemv(y, in, W, N, K, var.bps, s) : cu::gemv(y, in, W, 1, N, K, false, s);
     };
     cudaGraph_t graph;
-    cudaGraphExec_t exec;
     LK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (int l = 0; l < kLayers; ++l) {
       const LayerWeights& w = L[l];
@@ -214,12 +217,88 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
       LK(cu::launch(small_kernel, 2 * sms, kThreads, 0, s, x, dn, sh.D));  // the residual add's stand-in
     }
     LK(cudaStreamEndCapture(s, &graph));
-    LK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int r = 0; r < 3; ++r) LK(cudaGraphLaunch(exec, s));
+    LK(cudaGraphInstantiate(exec, graph, 0));
+    LK(cudaGraphDestroy(graph));
+    return 0;
+  };
+  // The persistent kernel's steps: the same chain.
+  auto persistent_steps = [&](bool route_wait) {
+    std::vector<probe::ChainStep> st;
+    for (int l = 0; l < kLayers; ++l) {
+      const LayerWeights& w = L[l];
+      const int o_step = route_wait ? 7 * l + 3 : -1;
+      st.push_back({w.qkv, x, qkv, Nqkv, sh.D, -1});
+      st.push_back({nullptr, qkv, a, sh.Nq, 0, -1});
+      st.push_back({nullptr, a, b, sh.Nq, 0, -1});
+      st.push_back({w.o, b, h, sh.D, sh.Nq, -1});
+      st.push_back({w.gu, h, gu, sh.gate_up_rows, sh.D, o_step});
+      st.push_back({w.down, gu, dn, sh.down_rows, sh.down_K, o_step});
+      st.push_back({nullptr, dn, x, sh.D, 0, -1});
+    }
+    return st;
+  };
+  const int n_steps = 7 * kLayers;
+  probe::ChainStep *steps_route, *steps_free;
+  unsigned* done;
+  LK(cudaMalloc(&steps_route, n_steps * sizeof(probe::ChainStep)));
+  LK(cudaMalloc(&steps_free, n_steps * sizeof(probe::ChainStep)));
+  LK(cudaMalloc(&done, n_steps * sizeof(unsigned)));
+  LK(cudaMemcpy(steps_route, persistent_steps(true).data(), n_steps * sizeof(probe::ChainStep), cudaMemcpyHostToDevice));
+  LK(cudaMemcpy(steps_free, persistent_steps(false).data(), n_steps * sizeof(probe::ChainStep), cudaMemcpyHostToDevice));
+  auto persistent = [&](int mode) -> int {
+    LK(cudaFuncSetAttribute(probe::persistent_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            int(probe::kPersistSmem)));
+    LK(cudaMemsetAsync(done, 0, n_steps * sizeof(unsigned), s));
+    const probe::ChainStep* steps = mode & kNoRouting ? steps_free : steps_route;
+    int n = n_steps, kernel_mode = mode & ~kNoRouting;
+    void* args[] = {&steps, &n, &done, &kernel_mode};
+    LK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(probe::persistent_chain_kernel), dim3(sms),
+                                   dim3(probe::kPersistThreads), args, probe::kPersistSmem, s));
+    return 0;
+  };
+  // Its final x against the launches' from the same start (the sums run in other orders).
+  {
+    cudaGraphExec_t exec;
+    if (capture({0, 0}, &exec)) return 1;
+    std::vector<float> want(sh.D), got(sh.D);
+    LK(cudaMemcpy(x, init.data(), vec * sizeof(float), cudaMemcpyHostToDevice));
+    LK(cudaGraphLaunch(exec, s));
+    LK(cudaStreamSynchronize(s));
+    LK(cudaMemcpy(want.data(), x, sh.D * sizeof(float), cudaMemcpyDeviceToHost));
+    for (const int mode : {0, kNoRouting}) {
+      LK(cudaMemcpy(x, init.data(), vec * sizeof(float), cudaMemcpyHostToDevice));
+      if (persistent(mode)) return 1;
+      LK(cudaStreamSynchronize(s));
+      LK(cudaMemcpy(got.data(), x, sh.D * sizeof(float), cudaMemcpyDeviceToHost));
+      const double err = rel_err(got, want);
+      const bool ok = err < 1e-4;
+      *failures += !ok;
+      std::fprintf(stderr, "%s persistent chain %s%s: final x rel err %.2e\n", ok ? "ok" : "FAIL", sh.name,
+                   mode ? " (no routing wait)" : "", err);
+    }
+    LK(cudaGraphExecDestroy(exec));
+  }
+
+  cudaEvent_t e0, e1;
+  LK(cudaEventCreate(&e0));
+  LK(cudaEventCreate(&e1));
+  const Variant variants[] = {{0, 0},  {-1, 0, 0},  {-1, 0, kNoRouting}, {-1, 0, probe::kNoWaits},
+                              {-1, 0, probe::kNoCompute}, {-1, 0, probe::kNoWaits | probe::kNoCompute}, {15, 2}, {15, 3}};
+  for (int round = 0; round < 2; ++round)
+  for (const Variant var : variants) {
+    cudaGraphExec_t exec = nullptr;
+    if (var.mask >= 0 && capture(var, &exec)) return 1;
+    auto replay = [&]() -> int {
+      if (exec) LK(cudaGraphLaunch(exec, s));
+      else if (persistent(var.mode)) return 1;
+      return 0;
+    };
+    for (int r = 0; r < 3; ++r)
+      if (replay()) return 1;
     std::vector<float> us;
     for (int r = 0; r < 15; ++r) {
       LK(cudaEventRecord(e0, s));
-      LK(cudaGraphLaunch(exec, s));
+      if (replay()) return 1;
       LK(cudaEventRecord(e1, s));
       LK(cudaEventSynchronize(e1));
       float ms = 0.f;
@@ -227,18 +306,23 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
       us.push_back(1000.f * ms / kLayers);
     }
     std::sort(us.begin(), us.end());
-    char name[48];
+    char name[128];
     std::snprintf(name, sizeof name, "stream x%d for %s%s%s%s", var.bps, var.mask & 1 ? "qkv " : "", var.mask & 2 ? "o " : "",
                   var.mask & 4 ? "gate_up " : "", var.mask & 8 ? "down" : "");
     if (!var.mask) std::snprintf(name, sizeof name, "current");
+    if (var.mask < 0)
+      std::snprintf(name, sizeof name, "persistent%s%s%s", var.mode & kNoRouting ? ", no routing wait" : "",
+                    var.mode & probe::kNoWaits ? ", no waits" : "", var.mode & probe::kNoCompute ? ", no compute" : "");
     std::printf("%s  {\"shape\": \"%s\", \"variant\": \"%s\", \"weights_mb_per_layer\": %.1f, \"us_per_layer_p50\": %.2f, "
                 "\"min\": %.2f, \"max\": %.2f}",
                 *first_row ? "" : ",\n", sh.name, name, mb, us[us.size() / 2], us.front(), us.back());
     *first_row = false;
     std::fflush(stdout);
-    LK(cudaGraphExecDestroy(exec));
-    LK(cudaGraphDestroy(graph));
+    if (exec) LK(cudaGraphExecDestroy(exec));
   }
+  LK(cudaFree(steps_route));
+  LK(cudaFree(steps_free));
+  LK(cudaFree(done));
   cu::set_programmatic_launch(false);
   for (auto& w : L)
     for (bf16* p : {w.qkv, w.o, w.gu, w.down}) LK(cudaFree(p));

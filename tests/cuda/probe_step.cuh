@@ -17,21 +17,33 @@
 
 namespace tiermoe::cuda {
 
+// A count another block publishes (fence, atomicAdd), read with acquire: what follows sees its writes.
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Blocks of kProbeThreads threads: every block sums all of x[n] (through L2) and writes its slice of
-// y = x / 2 + sum * 1e-6.
+// y = x / 2 + sum * 1e-6. kThreads, sync: the block's threads that take part (the first ones) and
+// their barrier, for a block that has others.
 constexpr int kProbeThreads = 256;
-__device__ inline void probe_step(float* y, const float* x, int n) {
-  __shared__ float red[kProbeThreads / 32];
+struct BlockSync {
+  __device__ void operator()() const { __syncthreads(); }
+};
+template <int kThreads = kProbeThreads, class Sync = BlockSync>
+__device__ inline void probe_step(float* y, const float* x, int n, Sync sync = {}) {
+  __shared__ float red[kThreads / 32];
   float s = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) s += __ldcg(x + i);
+  for (int i = threadIdx.x; i < n; i += kThreads) s += __ldcg(x + i);
   s = warp_sum(s);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-  __syncthreads();
+  sync();
   float total = 0.f;
-  for (int w = 0; w < kProbeThreads / 32; ++w) total += red[w];
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+  for (int w = 0; w < kThreads / 32; ++w) total += red[w];
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < n; i += gridDim.x * kThreads)
     y[i] = __ldcg(x + i) * 0.5f + total * 1e-6f;
-  __syncthreads();  // red[] is reused by the next step
+  sync();  // red[] is reused by the next step
 }
 
 }  // namespace tiermoe::cuda

@@ -28,12 +28,6 @@ namespace cu = tiermoe::cuda;
 
 constexpr int kThreads = cu::kProbeThreads, kVec = 2048, kSteps = 112;
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ void step(float* y, const float* x) { cu::probe_step(y, x, kVec); }
 
 __global__ void __launch_bounds__(kThreads) step_kernel(float* y, const float* x) {
@@ -48,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(float* y, const float* x
 __global__ void __launch_bounds__(kThreads) flag_step_kernel(float* y, const float* x, const unsigned* prev,
                                                              unsigned* own, unsigned need) {
   if (threadIdx.x == 0)
-    while (ld_acquire(prev) < need) {
+    while (cu::ld_acquire(prev) < need) {
     }
   __syncthreads();
   cu::pdl_launch_dependents();
@@ -63,14 +57,14 @@ __global__ void __launch_bounds__(kThreads) flag_step_kernel(float* y, const flo
 __device__ void grid_barrier(unsigned* bar) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned gen = ld_acquire(bar + 1);
+    const unsigned gen = cu::ld_acquire(bar + 1);
     __threadfence();
     if (atomicAdd(bar, 1u) == gridDim.x - 1) {
       bar[0] = 0;
       __threadfence();
       atomicAdd(bar + 1, 1u);
     } else {
-      while (ld_acquire(bar + 1) == gen) {
+      while (cu::ld_acquire(bar + 1) == gen) {
       }
     }
   }
