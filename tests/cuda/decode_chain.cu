@@ -245,9 +245,9 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
   LK(cudaMalloc(&done, n_steps * sizeof(unsigned)));
   LK(cudaMemcpy(steps_route, persistent_steps(true).data(), n_steps * sizeof(probe::ChainStep), cudaMemcpyHostToDevice));
   LK(cudaMemcpy(steps_free, persistent_steps(false).data(), n_steps * sizeof(probe::ChainStep), cudaMemcpyHostToDevice));
+  LK(cudaFuncSetAttribute(probe::persistent_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          int(probe::kPersistSmem)));
   auto persistent = [&](int mode) -> int {
-    LK(cudaFuncSetAttribute(probe::persistent_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            int(probe::kPersistSmem)));
     LK(cudaMemsetAsync(done, 0, n_steps * sizeof(unsigned), s));
     const probe::ChainStep* steps = mode & kNoRouting ? steps_free : steps_route;
     int n = n_steps, kernel_mode = mode & ~kNoRouting;

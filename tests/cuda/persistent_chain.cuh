@@ -140,9 +140,7 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
     for (int i = 0; i < n_steps; ++i) {
       const ChainStep s = steps[i];
       if (!s.W) continue;
-      if (s.route_after >= 0 && !(mode & kNoWaits))
-        while (ld_acquire(done + s.route_after) < unsigned(B)) {
-        }
+      if (s.route_after >= 0 && !(mode & kNoWaits)) spin_until(done + s.route_after, unsigned(B));
       const Share sh(s, b, B);
       for (int first = sh.g0; first < sh.g1; first += sh.per_chunk, ++n) {
         const int slot = int(n % kSlots), use = int(n / kSlots);
@@ -163,9 +161,7 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
   for (int i = 0; i < n_steps; ++i) {
     const ChainStep s = steps[i];
     if (i > 0 && !(mode & kNoWaits)) {
-      if (threadIdx.x == 0)
-        while (ld_acquire(done + i - 1) < unsigned(B)) {
-        }
+      if (threadIdx.x == 0) spin_until(done + i - 1, unsigned(B));
       consumers_sync();
     }
     const int t = threadIdx.x;
@@ -211,11 +207,8 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
         }
       }
     }
-    consumers_sync();  // every consumer's writes of this step are done (and xs / red are free)
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(done + i, 1u);
-    }
+    consumers_sync();  // every consumer's writes of this step are done (and xs is free)
+    if (threadIdx.x == 0) publish_count(done + i);
   }
 }
 

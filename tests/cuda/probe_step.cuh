@@ -17,11 +17,22 @@
 
 namespace tiermoe::cuda {
 
-// A count another block publishes (fence, atomicAdd), read with acquire: what follows sees its writes.
+// A count another block publishes (publish_count), read with acquire: what follows sees its writes.
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+// One thread: spins until *count >= need.
+__device__ __forceinline__ void spin_until(const unsigned* count, unsigned need) {
+  while (ld_acquire(count) < need) {
+  }
+}
+// One thread, once its block's writes are done (after a barrier): makes them visible, then counts the
+// block in.
+__device__ __forceinline__ void publish_count(unsigned* count) {
+  __threadfence();
+  atomicAdd(count, 1u);
 }
 
 // Blocks of kProbeThreads threads: every block sums all of x[n] (through L2) and writes its slice of

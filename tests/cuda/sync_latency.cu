@@ -41,16 +41,11 @@ __global__ void __launch_bounds__(kThreads) step_kernel(float* y, const float* x
 // and counts itself in own.
 __global__ void __launch_bounds__(kThreads) flag_step_kernel(float* y, const float* x, const unsigned* prev,
                                                              unsigned* own, unsigned need) {
-  if (threadIdx.x == 0)
-    while (cu::ld_acquire(prev) < need) {
-    }
+  if (threadIdx.x == 0) cu::spin_until(prev, need);
   __syncthreads();
   cu::pdl_launch_dependents();
   step(y, x);
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(own, 1u);
-  }
+  if (threadIdx.x == 0) cu::publish_count(own);
 }
 
 // bar[0]: arrivals, bar[1]: generation. All gridDim.x blocks must be resident.
