@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|detail|batch|moe|ab|sanitize]   (quick: no large
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|detail|batch|moe|ab|envs|sanitize]   (quick: no large
 #   published configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
 #   initcheck; profile: per-kernel times of one decode step under ncu; detail: ncu's throughput,
 #   occupancy and warp-stall sections for one kernel of that step (DETAIL_KERNEL); batch: the kernel table,
@@ -9,7 +9,7 @@
 #   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
 #   build (defaults, PDL off, BF16 prompt activations; new-nostage: no GEMV stage), interleaved in
-#   one run, then the kernel table; sanitize: compute-sanitizer on case ranges of the longest
+#   one run, then the kernel table; envs: this build's batch-1 benchmarks under ENV_VARIANTS; sanitize: compute-sanitizer on case ranges of the longest
 #   groups as parallel processes, spread over the machine's GPUs, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
 #   "Numerics, as measured" reports)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
@@ -17,7 +17,7 @@
 # $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere (small enough to carry to a
 # device machine), unpacked to ./build-gpu first:
 #   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD \
-#     -DTIERMOE_CHECK_CUDA_ARCH=90-real     # SASS only: ~1.0 MB xz instead of ~1.8 (the transfer is capped)
+#     -DTIERMOE_CHECK_CUDA_ARCH=90-real -DTIERMOE_CHECK_LINEINFO=OFF   # SASS only, no line info: the transfer is capped
 #   cmake --build build-gpu && mkdir -p ab && strip -o /tmp/tcc build-gpu/tiermoe_cuda_check && xz -9e -c /tmp/tcc > ab/tcc.xz
 #   (on the device) CHECK_XZ=ab/tcc.xz scripts/gpu_check.sh quick
 # Mode sampling: device against host sampling (TIERMOE_CUDA_SAMPLE=0): greedy, top-k 40 + top-p 0.95
@@ -75,7 +75,7 @@ for line in open(sys.argv[1]):
 PY
   log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
-elif [[ ! "$MODE" =~ ^(benchonly|sampling|profile|detail)$ ]]; then  # sampling: the benchmarks alone; profile, detail: ncu alone
+elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|detail)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone
   log check
   timeout 150 $C 2>&1 | tee "$OUT/check.txt"
 fi
@@ -165,6 +165,25 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
   rows "$OUT/ab.jsonl"
   [ "${AB_CHECK:-1}" = 0 ] && exit 0  # AB_CHECK=0: the kernel table was run before
   log kernels; timeout 90 $C --kernels-only > "$OUT/check.txt" 2>&1; grep -E "^(FAIL|==)" "$OUT/check.txt"
+  exit 0
+fi
+if [ "$MODE" = envs ]; then  # batch-1 benchmarks of this build under environment variants, interleaved
+  # ENV_VARIANTS: "label VAR=value ..." entries separated by ';' (a label alone: the defaults);
+  # ENV_ROWS: "config ctx gen repeats" rows separated by ';'; ENV_ROUNDS rounds (default 2).
+  IFS=';' read -ra erows <<< "${ENV_ROWS:-qwen3-30b-a3b-L16-v8192.json 4096 64 2}"
+  IFS=';' read -ra evars <<< "${ENV_VARIANTS:-default}"
+  for row in "${erows[@]}"; do
+    set -- $row
+    for round in $(seq ${ENV_ROUNDS:-2}); do
+      for ev in "${evars[@]}"; do
+        read -ra words <<< "$ev"
+        log "envs $1 ctx=$2 ${words[*]} round $round"
+        timeout 90 env "${words[@]:1}" $C bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
+          sed "s/^{/{\"variant\":\"${words[0]}\",/" >> "$OUT/envs.jsonl"
+      done
+    done
+  done
+  rows "$OUT/envs.jsonl"
   exit 0
 fi
 if [ "$MODE" = sampling ]; then  # same binary, two interleaved rounds
