@@ -130,39 +130,51 @@ for line in open(sys.argv[1]):
     print(f"{j['config']:30s} {j.get('variant', ''):14s} B={j['batch']:2d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s  ttft {j['ttft_ms']:.1f} ms")
 PY
 }
-if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + PDL per row
-  # AB_VARIANTS without "old" needs no OLD_BIN: e.g. AB_VARIANTS="new new-nostage" (the GEMV stage's A/B);
-  # new-late: decode attention's first tile after the wait, no head groups (TIERMOE_CUDA_ATTN_EARLY=0);
-  # new-notc: batch-1 decode attention never on the tensor cores (TIERMOE_CUDA_DECODE_TC=0);
-  # new-tcall: on the tensor cores for every G (OLMoE's G = 1 too) from 1024 keys (TIERMOE_CUDA_DECODE_TC_MIN_G=1);
-  # new-tc1: on the tensor cores from the first key (G >= 4; TIERMOE_CUDA_DECODE_TC=1), for the short-context rows
-  # new-rows1 / new-rows2: gemv3 (norm + q/k/v) with 1 / 2 rows per warp forced (TIERMOE_CUDA_GEMV3_ROWS)
-  # new-routekernel: the router as its own launch (moe_route) instead of in the o projection (TIERMOE_CUDA_ROUTE=kernel)
-  # new-ropelate: qk_norm_rope reads pos and the norm weights and computes its angles after the wait (TIERMOE_CUDA_ROPE_EARLY=0)
-  [[ " ${AB_VARIANTS:-old} " != *" old "* ]] || [ -x "${OLD_BIN:-}" ] || { echo "ab: OLD_BIN must name the earlier build's tiermoe_cuda_check"; exit 2; }
-  # AB_ROWS: "config ctx gen repeats" rows separated by ';' (default: the two shapes at ctx 16 and 4096)
-  IFS=';' read -ra abrows <<< "${AB_ROWS:-olmoe-1b-7b-v8192.json 16 128 3;olmoe-1b-7b-v8192.json 4096 64 2;qwen3-30b-a3b-L16-v8192.json 16 128 3;qwen3-30b-a3b-L16-v8192.json 4096 64 2}"
-  for row in "${abrows[@]}"; do
-    set -- $row
-    for round in 1 2; do
-      for v in ${AB_VARIANTS:-old new new-nopdl new-bf16prompt}; do
-        bin=$C; [ $v = old ] && bin=$OLD_BIN
-        pdl=1; [ $v = new-nopdl ] && pdl=0
-        split=1; [ $v = new-bf16prompt ] && split=0
-        stage=1; [ $v = new-nostage ] && stage=0
-        early=1; [ $v = new-late ] && early=0
-        tc=1024; [ $v = new-notc ] && tc=0; [ $v = new-tc1 ] && tc=1
-        tcg=4; [ $v = new-tcall ] && tcg=1
-        rows=0; [ $v = new-rows1 ] && rows=1; [ $v = new-rows2 ] && rows=2
-        route=oproj; [ $v = new-routekernel ] && route=kernel
-        rope_early=1; [ $v = new-ropelate ] && rope_early=0
-        log "ab $1 ctx=$2 $v round $round"
-        timeout 75 env TIERMOE_CUDA_PDL=$pdl TIERMOE_CUDA_SPLIT=$split TIERMOE_CUDA_GEMV_STAGE=$stage TIERMOE_CUDA_ATTN_EARLY=$early TIERMOE_CUDA_DECODE_TC=$tc TIERMOE_CUDA_DECODE_TC_MIN_G=$tcg TIERMOE_CUDA_GEMV3_ROWS=$rows TIERMOE_CUDA_ROUTE=$route TIERMOE_CUDA_ROPE_EARLY=$rope_early $bin bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
-          sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/ab.jsonl"
+# `bench` of each row ("config ctx gen repeats", rows separated by ';') under each variant ("label
+# [BIN=path] [VAR=value ...]": this build, or BIN, with those variables), ROUNDS rounds interleaved,
+# into $OUT/NAME.jsonl with the label as "variant"; then the table.
+bench_variants() {  # NAME ROWS ROUNDS VARIANT...
+  local name=$1 round row v w bin
+  local -a brows cfg words envs vars=("${@:4}")
+  IFS=';' read -ra brows <<< "$2"
+  for row in "${brows[@]}"; do
+    read -ra cfg <<< "$row"
+    for round in $(seq "$3"); do
+      for v in "${vars[@]}"; do
+        read -ra words <<< "$v"
+        bin=$C envs=()
+        for w in "${words[@]:1}"; do if [[ $w == BIN=* ]]; then bin=${w#BIN=}; else envs+=("$w"); fi; done
+        log "$name ${cfg[0]} ctx=${cfg[1]} ${words[*]} round $round"
+        timeout ${BENCH_S:-90} env "${envs[@]}" "$bin" bench --config "configs/${cfg[0]}" --ctx "${cfg[1]}" --gen "${cfg[2]}" \
+          --repeats "${cfg[3]}" | sed "s/^{/{\"variant\":\"${words[0]}\",/" >> "$OUT/$name.jsonl"
       done
     done
   done
-  rows "$OUT/ab.jsonl"
+  rows "$OUT/$name.jsonl"
+}
+if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + PDL per row
+  # AB_VARIANTS (default "old new new-nopdl new-bf16prompt"; without "old" no OLD_BIN is needed):
+  # each this build with one switch, or OLD_BIN with its own defaults.
+  declare -A ab_env=(
+    [old]="BIN=${OLD_BIN:-}" [new]=""
+    [new-nopdl]="TIERMOE_CUDA_PDL=0"                  # no programmatic dependent launch
+    [new-bf16prompt]="TIERMOE_CUDA_SPLIT=0"           # prompt activations in one BF16 part
+    [new-nostage]="TIERMOE_CUDA_GEMV_STAGE=0"         # no GEMV input stage in shared memory
+    [new-late]="TIERMOE_CUDA_ATTN_EARLY=0"            # decode attention's first tile after the wait, no head groups
+    [new-notc]="TIERMOE_CUDA_DECODE_TC=0"             # batch-1 decode attention never on the tensor cores
+    [new-tcall]="TIERMOE_CUDA_DECODE_TC_MIN_G=1 TIERMOE_CUDA_DECODE_TC=1024"  # on them for every G (OLMoE's 1 too) from 1024 keys
+    [new-tc1]="TIERMOE_CUDA_DECODE_TC=1"              # on them from the first key (G >= 4), for the short-context rows
+    [new-rows1]="TIERMOE_CUDA_GEMV3_ROWS=1" [new-rows2]="TIERMOE_CUDA_GEMV3_ROWS=2"  # gemv3 with 1 / 2 rows per warp
+    [new-routekernel]="TIERMOE_CUDA_ROUTE=kernel"     # the router as its own launch, not in the o projection
+    [new-ropelate]="TIERMOE_CUDA_ROPE_EARLY=0")       # qk_norm_rope's pos, norm weights and angles after the wait
+  ab_variants=()
+  for v in ${AB_VARIANTS:-old new new-nopdl new-bf16prompt}; do
+    [ -n "${ab_env[$v]+set}" ] || { echo "ab: unknown variant '$v' (one of: ${!ab_env[*]})"; exit 2; }
+    [ $v != old ] || [ -x "${OLD_BIN:-}" ] || { echo "ab: OLD_BIN must name the earlier build's tiermoe_cuda_check"; exit 2; }
+    ab_variants+=("$v ${ab_env[$v]}")
+  done
+  # AB_ROWS: "config ctx gen repeats" rows separated by ';' (default: the two shapes at ctx 16 and 4096)
+  bench_variants ab "${AB_ROWS:-olmoe-1b-7b-v8192.json 16 128 3;olmoe-1b-7b-v8192.json 4096 64 2;qwen3-30b-a3b-L16-v8192.json 16 128 3;qwen3-30b-a3b-L16-v8192.json 4096 64 2}" 2 "${ab_variants[@]}"
   [ "${AB_CHECK:-1}" = 0 ] && exit 0  # AB_CHECK=0: the kernel table was run before
   log kernels; timeout 90 $C --kernels-only > "$OUT/check.txt" 2>&1; grep -E "^(FAIL|==)" "$OUT/check.txt"
   exit 0
@@ -170,20 +182,8 @@ fi
 if [ "$MODE" = envs ]; then  # batch-1 benchmarks of this build under environment variants, interleaved
   # ENV_VARIANTS: "label VAR=value ..." entries separated by ';' (a label alone: the defaults);
   # ENV_ROWS: "config ctx gen repeats" rows separated by ';'; ENV_ROUNDS rounds (default 2).
-  IFS=';' read -ra erows <<< "${ENV_ROWS:-qwen3-30b-a3b-L16-v8192.json 4096 64 2}"
-  IFS=';' read -ra evars <<< "${ENV_VARIANTS:-default}"
-  for row in "${erows[@]}"; do
-    set -- $row
-    for round in $(seq ${ENV_ROUNDS:-2}); do
-      for ev in "${evars[@]}"; do
-        read -ra words <<< "$ev"
-        log "envs $1 ctx=$2 ${words[*]} round $round"
-        timeout 90 env "${words[@]:1}" $C bench --config configs/$1 --ctx $2 --gen $3 --repeats $4 |
-          sed "s/^{/{\"variant\":\"${words[0]}\",/" >> "$OUT/envs.jsonl"
-      done
-    done
-  done
-  rows "$OUT/envs.jsonl"
+  IFS=';' read -ra env_variants <<< "${ENV_VARIANTS:-default}"
+  bench_variants envs "${ENV_ROWS:-qwen3-30b-a3b-L16-v8192.json 4096 64 2}" "${ENV_ROUNDS:-2}" "${env_variants[@]}"
   exit 0
 fi
 if [ "$MODE" = sampling ]; then  # same binary, two interleaved rounds
