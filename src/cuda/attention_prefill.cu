@@ -24,6 +24,7 @@
 // is added to O in FP32: O kept inside the MMA accumulators across tiles drifted with the context
 // (2.1e-5 at 9000 keys, 3.4e-6 at 300), at a price of 20-35% in kernel time. No atomics: two
 // launches give the same bits.
+#include <algorithm>
 #include <cmath>
 
 #include <cuda_bf16.h>
@@ -61,10 +62,38 @@ __device__ __forceinline__ float split_pair(float x, float y, uint32_t& hi, uint
   return SPLIT ? h + (__bfloat162float(lx) + __bfloat162float(ly)) : h;
 }
 
-// KEY_WARPS: the kWarps warps' (max m in log2 units, sum l, unnormalized O) of the block's 16 rows,
-// each over its share of the keys, merged in shared memory (buf: kWarps * 16 * (DH + 2) floats;
-// the K/V tiles' space, free after the last tile) in warp order, then written as
-// attention_prefill's output or split partial. Every thread of the block calls it.
+// The kWarps warps' (max m in log2 units, sum l, unnormalized O) of a block's R rows, each over its
+// share of the keys, staged in shared memory (wo [kWarps][R][DH], wml [kWarps][R][2]: the K/V tiles'
+// space, free after the last tile), merged in warp order and written as attention_prefill's output
+// or split partial. Every thread of the block calls it, after a barrier behind the staging.
+template <int DH, int R, class RowOff>
+__device__ void merge_staged_warps(const float* wo, const float* wml, RowOff row_off, float* __restrict__ out,
+                                   float* __restrict__ partial, int n_splits) {
+  constexpr int kPerRow = kThreads / R, kDims = DH / kPerRow;  // threads per row, dims per thread
+  static_assert(kThreads % R == 0 && DH % kPerRow == 0);
+  const int r = threadIdx.x / kPerRow, d0 = (threadIdx.x % kPerRow) * kDims;
+  const long long off = row_off(r);
+  if (off < 0) return;
+  float M = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wml[(w * R + r) * 2]);
+  const float base = M == -INFINITY ? 0.f : M;  // no visible key in any share: weights 0, no NaN
+  float f[kWarps], L = 0.f;
+  for (int w = 0; w < kWarps; ++w) {
+    f[w] = exp2f(wml[(w * R + r) * 2] - base);
+    L += wml[(w * R + r) * 2 + 1] * f[w];
+  }
+  float* prow = n_splits > 1 ? partial + (size_t(off / DH) * n_splits + blockIdx.z) * (DH + 2) : nullptr;
+  if (prow && d0 == 0) prow[0] = M * 0.69314718055994531f, prow[1] = L;  // natural-log units, as below
+  for (int d = d0; d < d0 + kDims; ++d) {
+    float a = 0.f;
+    for (int w = 0; w < kWarps; ++w) a = fmaf(wo[(w * R + r) * DH + d], f[w], a);
+    if (prow) prow[2 + d] = a;
+    else out[off + d] = a / L;
+  }
+}
+
+// KEY_WARPS: the warps' shares of the block's 16 rows (o in the S / O accumulator layout: rows
+// lane / 4 and lane / 4 + 8) merged by merge_staged_warps through buf.
 template <int DH, class RowOff>
 __device__ void merge_key_warps(float* buf, const float (&o)[DH / 8][4], const float (&m)[2], const float (&l)[2],
                                 RowOff row_off, float* __restrict__ out, float* __restrict__ partial, int n_splits) {
@@ -80,26 +109,81 @@ __device__ void merge_key_warps(float* buf, const float (&o)[DH / 8][4], const f
       *reinterpret_cast<float2*>(wo + (warp * 16 + r) * DH + 8 * dn + 2 * qi) = make_float2(o[dn][2 * i], o[dn][2 * i + 1]);
   }
   __syncthreads();
-  constexpr int kPerRow = kThreads / 16, kDims = DH / kPerRow;  // threads per row, dims per thread
-  const int r = threadIdx.x / kPerRow, d0 = (threadIdx.x % kPerRow) * kDims;
-  const long long off = row_off(r);
-  if (off < 0) return;
-  float M = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wml[(w * 16 + r) * 2]);
-  const float base = M == -INFINITY ? 0.f : M;  // no visible key in any share: weights 0, no NaN
-  float f[kWarps], L = 0.f;
-  for (int w = 0; w < kWarps; ++w) {
-    f[w] = exp2f(wml[(w * 16 + r) * 2] - base);
-    L += wml[(w * 16 + r) * 2 + 1] * f[w];
+  merge_staged_warps<DH, 16>(wo, wml, row_off, out, partial, n_splits);
+}
+
+// Keys [k0, k0 + kTileK) of KV head kvh, those below k_end, into stage `stage` of ks / vs (rows of
+// smem_ld(DH)), by 16-byte cp.async (zeros past k_end), one commit group. All threads of the block.
+template <int DH>
+__device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv, int Hkv,
+                                             int kvh, int k0, int k_end, int stage) {
+  constexpr int LD = smem_ld(DH);
+  for (int i = threadIdx.x; i < kTileK * DH / 8; i += kThreads) {
+    const int r = i / (DH / 8), c = (i % (DH / 8)) * 8, key = k0 + r;
+    const size_t off = (kv_row(kv.table, min(key, k_end - 1)) * Hkv + kvh) * DH + c;
+    cp_async16(ks + (stage * kTileK + r) * LD + c, kv.k + off, key < k_end);
+    cp_async16(vs + (stage * kTileK + r) * LD + c, kv.v + off, key < k_end);
   }
-  float* prow = n_splits > 1 ? partial + (size_t(off / DH) * n_splits + blockIdx.z) * (DH + 2) : nullptr;
-  if (prow && d0 == 0) prow[0] = M * 0.69314718055994531f, prow[1] = L;  // natural-log units, as below
-  for (int d = d0; d < d0 + kDims; ++d) {
-    float a = 0.f;
-    for (int w = 0; w < kWarps; ++w) a = fmaf(wo[(w * 16 + r) * DH + d], f[w], a);
-    if (prow) prow[2 + d] = a;
-    else out[off + d] = a / L;
+  cp_async_commit();
+}
+
+// A block's keys: its query tokens t0 .. t0 + nt - 1 see keys 0 .. n_keys - 1, cut into gridDim.z
+// splits of whole tiles (computed here, so that a captured launch stays valid while a sequence
+// grows, and each query tile splits its own keys); the block takes split blockIdx.z, keys
+// [first_tile * kTileK, k_end) (maybe none). Its first tile goes into stage 0 -- before the wait for
+// the previous kernel where it lies wholly below p_lo: under programmatic launch that kernel may
+// still be writing q and the rows at positions >= p_lo, while pos, the page table and the older
+// rows are from before (a decode step: every split but the last) -- then the wait. All threads.
+struct BlockKeys {
+  int p_lo, k_end, first_tile, n_tiles;
+};
+template <int DH>
+__device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv,
+                                                      const int32_t* __restrict__ pos, int Hkv, int kvh, int t0,
+                                                      int nt) {
+  BlockKeys b;
+  b.p_lo = pos[t0];
+  const int n_keys = pos[t0 + nt - 1] + 1;  // positions non-decreasing
+  const int n_splits = gridDim.z, split_len = ((n_keys + n_splits - 1) / n_splits + kTileK - 1) / kTileK * kTileK;
+  const int k_begin = int(blockIdx.z) * split_len;
+  b.k_end = min(n_keys, k_begin + split_len);
+  b.first_tile = k_begin / kTileK;
+  b.n_tiles = max(0, (b.k_end - k_begin + kTileK - 1) / kTileK);
+  const bool early = b.n_tiles > 0 && (b.first_tile + 1) * kTileK <= b.p_lo;
+  if (early) load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
+  pdl_wait();
+  pdl_launch_dependents();
+  if (b.n_tiles > 0 && !early) load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
+  return b;
+}
+
+// Iteration it of the two-stage tile ring: tile it + 1's loads issued (load_tile(tile, stage)), tile
+// it's awaited by every thread; returns tile it's stage. All threads.
+template <class Load>
+__device__ __forceinline__ int await_tile(Load load_tile, int it, int n_tiles) {
+  if (it + 1 < n_tiles) {
+    load_tile(it + 1, (it + 1) & 1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
   }
+  __syncthreads();
+  return it & 1;
+}
+
+// One query row (q + off; off < 0: padding, zeros): dims 16 kk + 8 half + 2 qi, +1 as BF16 pairs hi +
+// lo (split_pair), [kk][half]: the pairs an MMA operand takes of it, with Q in FP32-level parts.
+template <int KC>
+__device__ __forceinline__ void load_q_pairs(const float* __restrict__ q, long long off, int qi, uint32_t (&hi)[KC][2],
+                                             uint32_t (&lo)[KC][2]) {
+#pragma unroll
+  for (int kk = 0; kk < KC; ++kk)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float2 v = make_float2(0.f, 0.f);
+      if (off >= 0) v = *reinterpret_cast<const float2*>(q + off + 16 * kk + 8 * half + 2 * qi);
+      split_pair<true>(v.x, v.y, hi[kk][half], lo[kk][half]);
+    }
 }
 
 // KEY_WARPS (T * G <= 16: a decode step, or a few tokens): the block's 16 rows are shared by its
@@ -143,30 +227,12 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   };
   const int warp_row0 = KEY_WARPS ? 0 : warp * 16, kw0 = KEY_WARPS ? warp * KW : 0;  // the warp's rows, keys
   auto row_offset = [&](int i) { return row_off(warp_row0 + quad + 8 * i); };
-  const int p_lo = pos[t0], n_keys = pos[t0 + nt - 1] + 1;  // positions non-decreasing
-  // This block's keys [k_begin, k_end): all n_keys, or its split's share (maybe none).
-  const int n_splits = gridDim.z, split_len = ((n_keys + n_splits - 1) / n_splits + kTileK - 1) / kTileK * kTileK;
-  const int k_begin = int(blockIdx.z) * split_len, k_end = min(n_keys, k_begin + split_len);
-  const int first_tile = k_begin / kTileK, n_tiles = max(0, (k_end - k_begin + kTileK - 1) / kTileK);
-
+  const BlockKeys keys = start_block_keys<DH>(ks, vs, kv, pos, Hkv, kvh, t0, nt);
+  const int p_lo = keys.p_lo, k_end = keys.k_end, first_tile = keys.first_tile, n_tiles = keys.n_tiles;
+  const int n_splits = gridDim.z;
   auto load_tile = [&](int tile, int stage) {
-    const int k0 = (first_tile + tile) * kTileK;
-    for (int i = threadIdx.x; i < kTileK * DH / 8; i += kThreads) {
-      const int r = i / (DH / 8), c = (i % (DH / 8)) * 8, key = k0 + r;
-      const size_t off = (kv_row(kv.table, min(key, k_end - 1)) * Hkv + kvh) * DH + c;
-      cp_async16(ks + (stage * kTileK + r) * LD + c, kv.k + off, key < k_end);
-      cp_async16(vs + (stage * kTileK + r) * LD + c, kv.v + off, key < k_end);
-    }
-    cp_async_commit();
+    load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
   };
-  // Under programmatic launch the kernel before this one may still be writing q and the rows at
-  // positions >= p_lo; pos, the page table and the older rows are from before. A first tile wholly
-  // below p_lo is loaded before the wait (a decode step: every split but the last).
-  const bool early = n_tiles > 0 && (first_tile + 1) * kTileK <= p_lo;
-  if (early) load_tile(0, 0);
-  pdl_wait();
-  pdl_launch_dependents();
-  if (n_tiles > 0 && !early) load_tile(0, 0);
 
   int rpos[2];  // the rows' query positions (-1: padding)
   uint32_t qh[KC][4], ql[KC][4];
@@ -174,28 +240,20 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   for (int i = 0; i < 2; ++i) {
     const long long off = row_offset(i);
     rpos[i] = off >= 0 ? pos[t0 + (warp_row0 + quad + 8 * i) / G] : -1;
+    uint32_t h[KC][2], lo[KC][2];
+    load_q_pairs(q, off, qi, h, lo);
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float2 v = make_float2(0.f, 0.f);
-        if (off >= 0) v = *reinterpret_cast<const float2*>(q + off + 16 * kk + 8 * half + 2 * qi);
-        split_pair<true>(v.x, v.y, qh[kk][2 * half + i], ql[kk][2 * half + i]);
-      }
+      for (int half = 0; half < 2; ++half) qh[kk][2 * half + i] = h[kk][half], ql[kk][2 * half + i] = lo[kk][half];
   }
 
   float o[DT][4] = {};                          // O rows (lane/4, lane/4 + 8), unnormalized
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's part of the sum
   for (int it = 0; it < n_tiles; ++it) {
-    if (it + 1 < n_tiles) {
-      load_tile(it + 1, (it + 1) & 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const __nv_bfloat16* kt = ks + (it & 1) * kTileK * LD;
-    const __nv_bfloat16* vt = vs + (it & 1) * kTileK * LD;
+    const int stage = await_tile(load_tile, it, n_tiles);
+    const __nv_bfloat16* kt = ks + stage * kTileK * LD;
+    const __nv_bfloat16* vt = vs + stage * kTileK * LD;
 
     // S[16 rows, KW keys] = Q K^T, Q as hi + lo. One ldmatrix: keys kw0 + 8j .. +7, dims of two k-chunks.
     float s[NTW][4] = {};
@@ -301,47 +359,210 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   }
 }
 
+// The decode form with the keys as the MMA's rows (T * G <= 8 query rows per block: a decode step at
+// G <= 8, a decode batch's token): S^T = K Q^T and O^T += V^T P^T, the K/V tile as the A operand
+// (ldmatrix, .trans for V) and the block's 8 query rows as the n = 8 columns. Why: the row form
+// pads G = 8 query rows to 16 (half of every MMA's rows, and of Q's and O's registers, are
+// padding) and chains 16 MMAs per score tile; here Q^T is 32 registers, O^T 32, each 16-key score
+// block two chains of KC MMAs (Q's hi and lo parts), and P^T reaches the P V MMAs' B operand by
+// movmatrix (a transpose of each 8x8 BF16 block in registers). Otherwise as the KEY_WARPS form:
+// warp w takes keys 16w .. 16w + 15 of every 64-key tile, tiles two stages deep by cp.async, the
+// splits of attention_prefill, the warps merged at the end (merge_staged_warps). Column c = token
+// t0 + c / G, head kvh * G + c % G; lane l holds columns 2 (l % 4), +1 of S^T and O^T, keys (dims)
+// l / 4 and l / 4 + 8.
+template <int DH, bool SPLIT_P>
+__global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
+    float* __restrict__ out, float* __restrict__ partial, const float* __restrict__ q, KvPages kv,
+    const int32_t* __restrict__ pos, int T, int H, int Hkv, int G, float scale_log2) {
+  constexpr int LD = smem_ld(DH), KC = DH / 16, kCols = 8, KW = kTileK / kWarps;
+  static_assert(KW == 16, "a warp's keys of a tile are one 16-row A operand");
+  extern __shared__ __align__(16) __nv_bfloat16 smem[];
+  __nv_bfloat16* ks = smem;                    // [2][kTileK][LD]
+  __nv_bfloat16* vs = smem + 2 * kTileK * LD;  // [2][kTileK][LD]
+  const int kvh = blockIdx.y;
+  const bool per_seq = kv.tables != nullptr;
+  const int t0 = per_seq ? int(blockIdx.x) : 0, nt = per_seq ? 1 : T, cols = nt * G;
+  if (per_seq) kv.table = kv.tables[t0];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, qi = lane & 3;
+  const int kw0 = warp * KW;
+  auto col_off = [&](int c) -> long long {
+    return c < cols ? (long long)((size_t(t0 + c / G) * H + size_t(kvh) * G + c % G) * DH) : -1;
+  };
+  const BlockKeys keys = start_block_keys<DH>(ks, vs, kv, pos, Hkv, kvh, t0, nt);
+  const int p_lo = keys.p_lo, k_end = keys.k_end, first_tile = keys.first_tile, n_tiles = keys.n_tiles;
+  const int n_splits = gridDim.z;
+  auto load_tile = [&](int tile, int stage) {
+    load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
+  };
+
+  // Q^T as the B operand: column quad, dims 16 kk + 2 qi, +1 (b0) and + 8 (b1), as hi + lo.
+  uint32_t qh[KC][2], ql[KC][2];
+  load_q_pairs(q, col_off(quad), qi, qh, ql);
+  int cpos[2];  // this lane's columns' query positions (-1: padding, every key masked)
+#pragma unroll
+  for (int c = 0; c < 2; ++c) cpos[c] = 2 * qi + c < cols ? pos[t0 + (2 * qi + c) / G] : -1;
+
+  float o[KC][4] = {};  // O^T: dims 16 dt + quad (+ 8), columns 2 qi, +1; unnormalized
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // per column: running max (log2), this lane's sum
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = await_tile(load_tile, it, n_tiles);
+    const __nv_bfloat16* kt = ks + stage * kTileK * LD;
+    const __nv_bfloat16* vt = vs + stage * kTileK * LD;
+
+    // S^T[16 keys, 8 columns]: Q's hi and lo parts in two accumulator chains.
+    float sh[4] = {}, sl[4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KC; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, kt + (kw0 + (lane & 15)) * LD + 16 * kk + 8 * (lane >> 4));
+      mma_bf16(sh, a, qh[kk][0], qh[kk][1]);
+      mma_bf16(sl, a, ql[kk][0], ql[kk][1]);
+    }
+    const int k0 = (first_tile + it) * kTileK;
+    const bool diagonal = k0 + kTileK - 1 > p_lo || k0 + kTileK > k_end;
+    float sv[4], mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e: key quad + 8 (e >> 1), column 2 qi + (e & 1)
+      const int key = k0 + kw0 + quad + 8 * (e >> 1), c = e & 1;
+      float x = (sh[e] + sl[e]) * scale_log2;
+      if (diagonal && (key > cpos[c] || key >= k_end)) x = -INFINITY;
+      sv[e] = x;
+      mx[c] = fmaxf(mx[c], x);
+    }
+    float base[2], corr[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {  // the column's max over the warp's 16 keys: the lanes of one qi
+      mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 4));
+      mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 8));
+      mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 16));
+      base[c] = mx[c] == -INFINITY ? 0.f : mx[c];  // a column with no visible key yet: p = 0, no NaN
+      corr[c] = exp2f(m[c] - base[c]);
+      m[c] = mx[c];
+      l[c] *= corr[c];
+    }
+    // P as BF16 pairs in the accumulator layout (keys quad, quad + 8), then transposed by movmatrix
+    // into P^T's B fragments: keys 2 qi, +1 (b0) and 2 qi + 8, +9 (b1) of column quad.
+    uint32_t pb[2][2];  // [hi, lo][b0, b1]
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      __nv_bfloat16 h[2], lo[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float p = exp2f(sv[2 * half + c] - base[c]);
+        bf16_split(p, h[c], lo[c]);
+        if (!SPLIT_P) lo[c] = __float2bfloat16_rn(0.f);
+        l[c] += __bfloat162float(h[c]) + __bfloat162float(lo[c]);  // exactly what enters the MMAs
+      }
+      pb[0][half] = movmatrix_trans(pack(h[0], h[1]));
+      pb[1][half] = movmatrix_trans(pack(lo[0], lo[1]));
+    }
+    // O^T = O^T * corr + V^T P^T, 16 dims at a time, each its own fresh accumulator.
+#pragma unroll
+    for (int dt = 0; dt < KC; ++dt) {
+      uint32_t a[4];  // V^T dims 16 dt .. +15, keys kw0 .. +15 (ldmatrix.trans of V's rows)
+      ldmatrix_x4_trans(a, vt + (kw0 + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * dt + 8 * ((lane >> 3) & 1));
+      float pv[4] = {};
+      mma_bf16(pv, a, pb[0][0], pb[0][1]);
+      if (SPLIT_P) mma_bf16(pv, a, pb[1][0], pb[1][1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[dt][e] = fmaf(o[dt][e], corr[e & 1], pv[e]);
+    }
+    __syncthreads();  // this stage is consumed before the next iteration's load overwrites it
+  }
+
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {  // the column's sum over the warp's keys
+    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 4);
+    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 8);
+    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 16);
+  }
+  float* wo = reinterpret_cast<float*>(smem);  // [kWarps][kCols][DH]
+  float* wml = wo + kWarps * kCols * DH;       // [kWarps][kCols][2]
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int c = 2 * qi + (e & 1);
+#pragma unroll
+    for (int dt = 0; dt < KC; ++dt) wo[(warp * kCols + c) * DH + 16 * dt + quad + 8 * (e >> 1)] = o[dt][e];
+  }
+  if (quad == 0)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) wml[(warp * kCols + 2 * qi + c) * 2] = m[c], wml[(warp * kCols + 2 * qi + c) * 2 + 1] = l[c];
+  __syncthreads();
+  merge_staged_warps<DH, kCols>(wo, wml, col_off, out, partial, n_splits);
+}
+
+// The decode forms: blocks of T * G <= 16 query rows (key_warps); of one sequence's T * G <= 8 in
+// the keys form, unless set_attention_decode_keys_form(false). Decode batches (kv.tables) keep the
+// row form: the keys form measured 2-4% slower per step there (Qwen3 16-layer shape, B = 8 and 64,
+// docs/benchmarks.md), though level under ncu.
+bool g_decode_keys_form = true;
+enum class Form { rows, key_warps, keys };
+template <int DH, bool SPLIT_P, Form F>
+constexpr auto kernel_of() {
+  if constexpr (F == Form::keys) return attention_decode_keys_kernel<DH, SPLIT_P>;
+  else return attention_prefill_kernel<DH, SPLIT_P, F == Form::key_warps>;
+}
+// The keys form's blocks ask for more shared memory than their tiles take, so that an SM holds at
+// most two of them (as the row form's registers allow): with three (135 registers, 68 KB each)
+// Mixtral-8x7B's step took 7.95 ms against 7.12 under programmatic launch, level without it (the
+// cause is not measured); the Qwen3 shapes are the same either way.
+template <int DH, Form F>
+constexpr size_t launch_smem() {
+  return F == Form::keys ? std::max(smem_bytes(DH), size_t(80) * 1024) : smem_bytes(DH);
+}
+
 // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
-template <int DH, bool SPLIT_P, bool KEY_WARPS>
+template <int DH, bool SPLIT_P, Form F>
 cudaError_t opt_in_smem() {
-  static const cudaError_t e = cudaFuncSetAttribute(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes(DH)));
+  static const cudaError_t e =
+      cudaFuncSetAttribute(kernel_of<DH, SPLIT_P, F>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(launch_smem<DH, F>()));
   return e;
 }
 
-template <int DH, bool SPLIT_P, bool KEY_WARPS>
+template <int DH, bool SPLIT_P, Form F>
 cudaError_t launch_prefill_as(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
                               int Hkv, int n_splits, cudaStream_t s) {
   static_assert(size_t(kWarps) * 16 * (DH + 2) * sizeof(float) <= smem_bytes(DH), "merge_key_warps's buffer");
-  if (const cudaError_t e = opt_in_smem<DH, SPLIT_P, KEY_WARPS>(); e != cudaSuccess) return e;
-  const int G = H / Hkv, TQ = (KEY_WARPS ? 16 : kRows) / G;
+  if (const cudaError_t e = opt_in_smem<DH, SPLIT_P, F>(); e != cudaSuccess) return e;
+  const int G = H / Hkv, TQ = (F == Form::rows ? kRows : F == Form::key_warps ? 16 : 8) / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
   const int tiles = kv.tables ? T : (T + TQ - 1) / TQ;  // a decode batch: a block per token
-  const cudaError_t e = launch(attention_prefill_kernel<DH, SPLIT_P, KEY_WARPS>, dim3(tiles, Hkv, n_splits),
-                               kThreads, smem_bytes(DH), s, out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
+  const cudaError_t e = launch(kernel_of<DH, SPLIT_P, F>(), dim3(tiles, Hkv, n_splits), kThreads, launch_smem<DH, F>(), s,
+                               out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
   if (e != cudaSuccess || n_splits == 1) return e;
   return attention_merge_splits(out, partial, T, H, DH, n_splits, s);
 }
 
-template <int DH, bool SPLIT_P>
-cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
-                           int Hkv, int n_splits, bool key_warps, cudaStream_t s) {
-  return key_warps ? launch_prefill_as<DH, SPLIT_P, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s)
-                   : launch_prefill_as<DH, SPLIT_P, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+// The form for T * G rows a block (a decode batch: G rows).
+Form form_of(int rows, bool batch) {
+  return rows <= 8 && !batch && g_decode_keys_form ? Form::keys : rows <= 16 ? Form::key_warps : Form::rows;
 }
 
-// Blocks of the decode form (KEY_WARPS) the GPU holds at once; 0 if not known.
+template <int DH, bool SPLIT_P>
+cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
+                           int Hkv, int n_splits, Form form, cudaStream_t s) {
+  switch (form) {
+    case Form::keys: return launch_prefill_as<DH, SPLIT_P, Form::keys>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+    case Form::key_warps:
+      return launch_prefill_as<DH, SPLIT_P, Form::key_warps>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+    default: return launch_prefill_as<DH, SPLIT_P, Form::rows>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+  }
+}
+
+// Blocks of the decode batches' form (key_warps) the GPU holds at once; 0 if not known.
 template <int DH, bool SPLIT_P>
 int decode_resident_blocks() {
   int per_sm = 0;
-  if (opt_in_smem<DH, SPLIT_P, true>() != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_prefill_kernel<DH, SPLIT_P, true>, kThreads,
+  if (opt_in_smem<DH, SPLIT_P, Form::key_warps>() != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_of<DH, SPLIT_P, Form::key_warps>(), kThreads,
                                                     smem_bytes(DH)) != cudaSuccess)
     return 0;
   return per_sm * sm_count();
 }
 
 }  // namespace
+
+void set_attention_decode_keys_form(bool on) { g_decode_keys_form = on; }
 
 int attention_prefill_decode_resident_blocks(int Dh, bool split_p) {
   if (Dh == 64) return split_p ? decode_resident_blocks<64, true>() : decode_resident_blocks<64, false>();
@@ -357,12 +578,12 @@ cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int3
   if (!attention_prefill_supported(H, Hkv, Dh) || T < 0 || n_splits < 1 || n_splits > 65535 || (n_splits > 1 && !partial))
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const bool key_warps = (kv.tables ? 1 : T) * (H / Hkv) <= 16;
+  const Form form = form_of((kv.tables ? 1 : T) * (H / Hkv), kv.tables != nullptr);
   if (Dh == 64)
-    return split_p ? launch_prefill<64, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s)
-                   : launch_prefill<64, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s);
-  return split_p ? launch_prefill<128, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s)
-                 : launch_prefill<128, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, key_warps, s);
+    return split_p ? launch_prefill<64, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, form, s)
+                   : launch_prefill<64, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, form, s);
+  return split_p ? launch_prefill<128, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, form, s)
+                 : launch_prefill<128, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, form, s);
 }
 
 }  // namespace tiermoe::cuda

@@ -102,6 +102,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_b
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
+// An 8x8 BF16 matrix held as one pair per lane (lane l: row l / 4, columns 2 (l % 4) .. +1, the
+// mma accumulator's layout packed) -> its transpose in the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // d[16x8] += a[16x16] b[16x8], BF16 in, FP32 accumulate. Lane l holds: a {(r, c), (r + 8, c),
 // (r, c + 8), (r + 8, c + 8)} as BF16 pairs, r = l / 4, c = 2 (l % 4); b {(c, n), (c + 8, n)}, n = l / 4;
 // d {(r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)} with c = 2 (l % 4) as the column.

@@ -241,10 +241,13 @@ constexpr int kPrefillMaxG = 8;
 bool attention_prefill_supported(int H, int Hkv, int Dh);
 cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int32_t* pos, int T, int H, int Hkv, int Dh,
                               bool split_p, cudaStream_t s, float* partial = nullptr, int n_splits = 1);
-// How many blocks of the decode form (T * G <= 16 rows per block) the GPU holds at once (0 if
+// How many blocks of a decode batch's form (G <= 16 rows per block) the GPU holds at once (0 if
 // unknown), and the keys of its K/V tiles: what a decode batch's key splits are sized by.
 constexpr int kPrefillTileKeys = 64;
 int attention_prefill_decode_resident_blocks(int Dh, bool split_p);
+// attention_prefill's blocks of one sequence's T * G <= 8 query rows in the keys form (keys as the
+// MMA's rows; the default) or, off, in the row form of the blocks of up to 16 rows (A/B timing).
+void set_attention_decode_keys_form(bool on);
 // out[T, H, Dh] from the splits' (max, sum, unnormalized output) in partial[T, H, n_splits, Dh + 2]
 // (the max in natural-log units; -inf: a split with no visible key).  twin: the online softmax's merge
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s);

@@ -931,12 +931,24 @@ void check_attention_prefill() {
   report("attention_prefill refuses Dh 96, 256, 16, G=16, and bad key splits", refused ? 0.0 : 1.0, 0.0);
 }
 
-// T * G <= 16 (decode steps on the tensor cores): the block's warps share its rows and split every
-// key tile. A group of its own, so that a sanitizer can take just these.
+// T * G <= 16 (decode steps on the tensor cores): the block's warps split every key tile; T * G <= 8
+// in the keys form (keys as the MMA's rows), 9 .. 16 (and decode batches) in the row form. A group of its own, so that
+// a sanitizer can take just these. Keys form: G = 8, 4 (T = 2: 8 columns), 7, 6, 2 (T = 3), 1
+// (T = 7), positions on and off the tile boundaries.
 void check_attention_prefill_decode() {
   using C = PrefillCase;
   attention_prefill_cases({C{1, 4095, 32, 4, 128}, C{2, 300, 16, 2, 64}, C{1, 9000, 8, 8, 128}, C{3, 63, 20, 4, 128},
-                           C{1, 0, 6, 1, 64}, C{16, 100, 4, 4, 64}});
+                           C{1, 0, 6, 1, 64}, C{16, 100, 4, 4, 64}, C{2, 500, 16, 4, 128}, C{1, 63, 8, 1, 128},
+                           C{1, 4096, 28, 4, 128}, C{3, 1000, 6, 3, 64}, C{7, 130, 2, 2, 64}, C{1, 64, 32, 8, 128}});
+}
+
+// The decode cases again with the keys form off: blocks of up to 8 rows in the row form
+// (set_attention_decode_keys_form(false), for A/B timing).
+void check_attention_prefill_decode_rows() {
+  std::printf("-- attention_prefill decode: the row form for every block --\n");
+  cu::set_attention_decode_keys_form(false);
+  check_attention_prefill_decode();
+  cu::set_attention_decode_keys_form(true);
 }
 
 // Prompt attention of a last 512-token chunk (keys 0 .. past + 511), each kernel timed over 20
@@ -1847,7 +1859,8 @@ int main(int argc, char** argv) {
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe_routed", check_moe_routed}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
         {"attention_prefill", check_attention_prefill},
-        {"attention_prefill_decode", check_attention_prefill_decode}, {"attention_decode", check_attention_decode},
+        {"attention_prefill_decode", check_attention_prefill_decode},
+        {"attention_prefill_decode_rows", check_attention_prefill_decode_rows}, {"attention_decode", check_attention_decode},
         {"attention_decode_batch", check_attention_decode_batch},
         {"attention_decode_late", check_attention_decode_late}, {"attention_decode_per_head", check_attention_decode_per_head}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
