@@ -108,6 +108,7 @@ class CudaBackend final : public Backend {
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_ATTN_HEAD")) cuda::set_attention_decode_per_head(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_TC_KEYS")) cuda::set_attention_decode_keys_form(e[0] != '0');
+    if (const char* e = std::getenv("TIERMOE_CUDA_TC_SPLITS")) tc_splits_per_1k_ = std::clamp(std::atoi(e), 1, 64);
     const char* rope_early = std::getenv("TIERMOE_CUDA_ROPE_EARLY");
     cuda::set_rope_early(!(rope_early && rope_early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_DOWN")) cuda::set_moe_down_variant(std::atoi(e));
@@ -317,7 +318,9 @@ class CudaBackend final : public Backend {
   }
   // The tensor-core decode's key splits: 4 per 1024 keys from 1024 on (at 4096 keys 3-6% faster per
   // token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md).
-  static int tc_decode_splits(int keys) { return keys > 1024 ? (keys + 1023) / 1024 * 4 : 0; }
+  // TIERMOE_CUDA_TC_SPLITS=N: N per 1024 keys instead (A/B timing).
+  int tc_decode_splits(int keys) const { return keys > 1024 ? (keys + 1023) / 1024 * tc_splits_per_1k_ : 0; }
+  int tc_splits_per_1k_ = 4;
   // A decode batch's key splits: at most batch-1's count for its longest sequence (`most`), fewer
   // where the (sequence, KV head, split) blocks would come in waves (cuda::decode_batch_splits:
   // -4% .. -13% per step on the bench shapes at B = 8..64, docs/benchmarks.md "Decode batches: key
