@@ -243,8 +243,23 @@ class CudaBackend final : public Backend {
   // with no shared expert (whose MLP reads moe_route's h). TIERMOE_CUDA_ROUTE=kernel: moe_route.
   bool router_in_oproj(const DLayer& L, int T) const {
     return route_in_oproj_ && L.is_moe && moe_path(T) == MoePath::Fused && cfg_.shared_expert_ffn == 0 &&
-           cuda::router_in_oproj_fits(cfg_.hidden_size, cfg_.num_experts, cfg_.top_k);
+           cuda::router_in_oproj_fits(cfg_.hidden_size, cfg_.num_experts, cfg_.top_k) &&
+           gemv_for(T, cfg_.hidden_size) && gemv_for(T, cfg_.num_heads * cfg_.head_dim);  // gemv3 zeroes its sums
   }
+  // Whether a projection of T tokens over K inputs takes the GEMV-style kernels rather than cuBLAS
+  // (x split to BF16 hi + lo, two GEMMs: linear()): T <= kGemvMaxT, unless T >= small_t_blas_ (> 0)
+  // and x does not fit the GEMV's shared-memory stage, where every weight row re-reads all T rows of
+  // x through L1 (Qwen3's o projection at T = 8: 56 us for 17 MB of weights under ncu). From T = 8:
+  // decode batches of 8 measured -8.6% per step (OLMoE shape; Qwen3's -0.5%, its router then not
+  // folded into the o projection), of 6 +2-3%, of 2 and 4 +0-10% (T = 7 not measured).
+  // small_t_blas_all_: from T = small_t_blas_ on whatever the stage (the model check's way onto
+  // this path with tinymix-code's small hidden size).
+  bool gemv_for(int T, int K) const {
+    return T <= cuda::kGemvMaxT && (small_t_blas_ == 0 || T < small_t_blas_ ||
+                                    (!small_t_blas_all_ && K % 8 == 0 && T * K <= cuda::kGemvStageFloats));
+  }
+  int small_t_blas_ = 0;             // TIERMOE_CUDA_SMALL_T_BLAS=N, or Na for small_t_blas_all_ (read_switches)
+  bool small_t_blas_all_ = false;
 
   ModelConfig cfg_;
   CudaBackendOptions opts_;
@@ -272,6 +287,7 @@ class CudaBackend final : public Backend {
   // The defaults: the configuration checked and timed on the H200 (docs/cuda.md, c4c5c71).
   static constexpr MoeMode kDefaultMoe = MoeMode::Grouped;
   static constexpr bool kDefaultBatchAttention = true;
+  static constexpr int kDefaultSmallTBlas = 8;  // gemv_for: measured, docs/benchmarks.md "Decode batches of 2 .. 8"
   MoeMode moe_mode_ = kDefaultMoe;
   // Which T the grouped kernels take: above kGemvMaxT always; from T = 2 where the T K (token, k)
   // entries are at least the E experts. Below that the per-(token, k) kernels with the router in the
@@ -424,6 +440,15 @@ void CudaBackend::read_switches() {
   cuda::set_moe_grouped_mma(grouped_mma);
   batch_attention_ = batch_attention;
   batch_tc_allowed_ = !(btc && btc[0] == '0');
+  const char* sb = std::getenv("TIERMOE_CUDA_SMALL_T_BLAS");
+  const int small_t_blas = sb ? std::max(0, std::atoi(sb)) : kDefaultSmallTBlas;
+  const bool small_t_blas_all = sb && std::strchr(sb, 'a');
+  if (small_t_blas != small_t_blas_ || small_t_blas_all != small_t_blas_all_) {
+    for (auto& [key, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
+    graphs_.clear();
+  }
+  small_t_blas_ = small_t_blas;
+  small_t_blas_all_ = small_t_blas_all;
   const char* pin = std::getenv("TIERMOE_CUDA_BATCH_SPLITS");
   batch_splits_pin_ = pin ? std::max(0, std::atoi(pin)) : -1;
   // Sampling runs outside the graphs. 1: the form before the slices (one block per row, and the
@@ -629,7 +654,7 @@ void CudaBackend::gemm_split(float* y, const bf16* hi, const bf16* lo, const bf1
 }
 
 void CudaBackend::linear(float* y, const float* x, const DLinear& W, int T, bool accumulate) {
-  if (T <= cuda::kGemvMaxT) {
+  if (gemv_for(T, W.in)) {
     CUDA_CK(cuda::gemv(y, x, W.w, T, W.out, W.in, accumulate, stream_));
   } else {
     CUDA_CK(cuda::to_bf16(xb_, xb_lo_, x, size_t(T) * W.in, stream_));
@@ -717,7 +742,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
     const bool route_in_oproj = router_in_oproj(L, T);
-    if (T <= cuda::kGemvMaxT) {  // the attention norm folded into the q/k/v GEMV
+    if (gemv_for(T, D)) {  // the attention norm folded into the q/k/v GEMV
       CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_,
                           L.attn_norm, eps, route_in_oproj ? route_acc_ : nullptr,
                           route_in_oproj ? T * cfg_.num_experts : 0));
@@ -782,11 +807,11 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
                                 cudaMemcpyDeviceToDevice, stream_));
       row += p.n_logits;
     }
-    if (n_logits <= cuda::kGemvMaxT && greedy_pass_) {  // the final norm and the argmax folded into the LM head
+    if (greedy_pass_) {  // the final norm and the argmax folded into the LM head (gemv_for: launch_pass)
       CUDA_CK(cuda::gemv_argmax(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, final_norm_, eps,
                                 argmax_best_, stream_));
       CUDA_CK(cuda::argmax_tokens(tokens_, argmax_best_, n_logits, stream_));
-    } else if (n_logits <= cuda::kGemvMaxT) {  // the final norm folded into the LM head
+    } else if (gemv_for(n_logits, D)) {  // the final norm folded into the LM head
       CUDA_CK(cuda::gemv(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, false, stream_, final_norm_, eps));
     } else {
       CUDA_CK(cuda::rmsnorm(h_, h_, final_norm_, n_logits, D, eps, stream_));
@@ -876,7 +901,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   greedy_pass_ = greedy_fold_ && !sample_single_stage_ && sample_rows == n_logits && n_logits > 0 &&
-                 n_logits <= cuda::kGemvMaxT &&
+                 gemv_for(n_logits, cfg_.hidden_size) &&
                  std::all_of(h_sample_rows_, h_sample_rows_ + n_logits, [V = cfg_.vocab_size](const auto& row) {
                    return cuda::sample_argmax_row(row, V);
                  });

@@ -67,7 +67,7 @@ __device__ __forceinline__ void load_row_chunks(uint4 (&wv)[NR][CH], const bf16*
 // and each token's inv = 1 / rms(x). Why: with every warp reading x (and nw) itself, a row of 4 KB
 // of weights cost 8-16 KB of L1 loads, and L1 throughput, not DRAM, bounded the kernel (the folded
 // attention norm alone cost 4.8 us per layer of a 1.27 ms OLMoE step). Used where T * K fits.
-constexpr int kStageFloats = 4096;  // 16 KB: T = 1 up to K = 4096, T = 2 up to 2048
+constexpr int kStageFloats = kGemvStageFloats;
 struct alignas(16) GemvStage {  // x is read and written as float4
   float x[kStageFloats];  // [T, K]: x, or x * nw
   float inv[kGemvMaxT];
