@@ -166,7 +166,9 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
     [new-tc1]="TIERMOE_CUDA_DECODE_TC=1"              # on them from the first key (G >= 4), for the short-context rows
     [new-rows1]="TIERMOE_CUDA_GEMV3_ROWS=1" [new-rows2]="TIERMOE_CUDA_GEMV3_ROWS=2"  # gemv3 with 1 / 2 rows per warp
     [new-routekernel]="TIERMOE_CUDA_ROUTE=kernel"     # the router as its own launch, not in the o projection
-    [new-ropelate]="TIERMOE_CUDA_ROPE_EARLY=0")       # qk_norm_rope's pos, norm weights and angles after the wait
+    [new-ropelate]="TIERMOE_CUDA_ROPE_EARLY=0"        # qk_norm_rope's pos, norm weights and angles after the wait
+    [new-tcrows]="TIERMOE_CUDA_TC_KEYS=0"             # the tensor-core decode's row form instead of the keys form
+    [new-smallgemv]="TIERMOE_CUDA_SMALL_T_BLAS=0")    # T = 2..8 projections always on the GEMVs (batches: batchtable)
   ab_variants=()
   for v in ${AB_VARIANTS:-old new new-nopdl new-bf16prompt}; do
     [ -n "${ab_env[$v]+set}" ] || { echo "ab: unknown variant '$v' (one of: ${!ab_env[*]})"; exit 2; }
