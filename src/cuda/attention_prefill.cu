@@ -359,8 +359,9 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   }
 }
 
-// The decode form with the keys as the MMA's rows (T * G <= 8 query rows per block: a decode step at
-// G <= 8, a decode batch's token): S^T = K Q^T and O^T += V^T P^T, the K/V tile as the A operand
+// The decode form with the keys as the MMA's rows (T * G <= 8 query rows per block: one sequence's
+// decode step at G <= 8; form_of keeps decode batches on the row form, so its kv.tables branch is
+// not reached from attention_prefill): S^T = K Q^T and O^T += V^T P^T, the K/V tile as the A operand
 // (ldmatrix, .trans for V) and the block's 8 query rows as the n = 8 columns. Why: the row form
 // pads G = 8 query rows to 16 (half of every MMA's rows, and of Q's and O's registers, are
 // padding) and chains 16 MMAs per score tile; here Q^T is 32 registers, O^T 32, each 16-key score

@@ -255,8 +255,8 @@ class CudaBackend final : public Backend {
   // small_t_blas_all_: from T = small_t_blas_ on whatever the stage (the model check's way onto
   // this path with tinymix-code's small hidden size).
   bool gemv_for(int T, int K) const {
-    return T <= cuda::kGemvMaxT && (small_t_blas_ == 0 || T < small_t_blas_ ||
-                                    (!small_t_blas_all_ && K % 8 == 0 && T * K <= cuda::kGemvStageFloats));
+    return T <= cuda::kGemvMaxT &&
+           (small_t_blas_ == 0 || T < small_t_blas_ || (!small_t_blas_all_ && cuda::gemv_stage_holds(T, K)));
   }
   int small_t_blas_ = 0;             // TIERMOE_CUDA_SMALL_T_BLAS=N, or Na for small_t_blas_all_ (read_switches)
   bool small_t_blas_all_ = false;
@@ -427,8 +427,12 @@ void CudaBackend::read_switches() {
   const bool grouped_route_kernel = gr && std::strcmp(gr, "kernel") == 0;
   const char* gm = std::getenv("TIERMOE_CUDA_GROUPED_MMA");  // 0: the grouped kernels on the CUDA cores
   const bool grouped_mma = !(gm && gm[0] == '0');
+  const char* sb = std::getenv("TIERMOE_CUDA_SMALL_T_BLAS");
+  const int small_t_blas = sb ? std::max(0, std::atoi(sb)) : kDefaultSmallTBlas;
+  const bool small_t_blas_all = sb && std::strchr(sb, 'a');
   if (mode != moe_mode_ || grouped_min_t != grouped_min_t_ || in_oproj != route_in_oproj_ || grouped_mma != grouped_mma_ ||
-      grouped_route_kernel != grouped_route_kernel_) {
+      grouped_route_kernel != grouped_route_kernel_ || small_t_blas != small_t_blas_ ||
+      small_t_blas_all != small_t_blas_all_) {
     for (auto& [key, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
     graphs_.clear();
   }
@@ -437,18 +441,11 @@ void CudaBackend::read_switches() {
   route_in_oproj_ = in_oproj;
   grouped_mma_ = grouped_mma;
   grouped_route_kernel_ = grouped_route_kernel;
+  small_t_blas_ = small_t_blas;
+  small_t_blas_all_ = small_t_blas_all;
   cuda::set_moe_grouped_mma(grouped_mma);
   batch_attention_ = batch_attention;
   batch_tc_allowed_ = !(btc && btc[0] == '0');
-  const char* sb = std::getenv("TIERMOE_CUDA_SMALL_T_BLAS");
-  const int small_t_blas = sb ? std::max(0, std::atoi(sb)) : kDefaultSmallTBlas;
-  const bool small_t_blas_all = sb && std::strchr(sb, 'a');
-  if (small_t_blas != small_t_blas_ || small_t_blas_all != small_t_blas_all_) {
-    for (auto& [key, exec] : graphs_) CUDA_CK(cudaGraphExecDestroy(exec));
-    graphs_.clear();
-  }
-  small_t_blas_ = small_t_blas;
-  small_t_blas_all_ = small_t_blas_all;
   const char* pin = std::getenv("TIERMOE_CUDA_BATCH_SPLITS");
   batch_splits_pin_ = pin ? std::max(0, std::atoi(pin)) : -1;
   // Sampling runs outside the graphs. 1: the form before the slices (one block per row, and the

@@ -172,7 +172,7 @@ bool g_gemv_stream = true;  // one token's plain / LM-head gemv as a stream (TIE
 int g_gemv_pipe = 1;  // gemv of one token, rows of several rounds pipelined: 0 never, 1 in one wave, 2 always
 }  // namespace
 
-bool stage_fits(int T, int K) { return g_gemv_stage && K % 8 == 0 && T * K <= kStageFloats; }
+bool stage_fits(int T, int K) { return g_gemv_stage && gemv_stage_holds(T, K); }
 void set_gemv_stage(bool on) { g_gemv_stage = on; }
 void set_gemv_stream(bool on) { g_gemv_stream = on; }
 void set_gemv_pipe(int mode) { g_gemv_pipe = std::clamp(mode, 0, 2); }

@@ -15,9 +15,11 @@ namespace tiermoe::cuda {
 using bf16 = uint16_t;  // BF16 bits in device memory
 
 constexpr int kGemvMaxT = 8;      // gemv() handles T <= this; larger T goes to cuBLAS
-// The GEMV-style kernels stage x in shared memory where K % 8 == 0 and T * K <= this (16 KB): T = 1
-// up to K = 4096, T = 2 up to 2048. Past it every lane reads x itself, once per weight row.
+// The GEMV-style kernels stage x in shared memory where it fits (gemv_stage_holds): K % 8 == 0 and
+// T * K <= kGemvStageFloats (16 KB): T = 1 up to K = 4096, T = 2 up to 2048. Past it every lane
+// reads x itself, once per weight row.
 constexpr int kGemvStageFloats = 4096;
+constexpr bool gemv_stage_holds(int T, int K) { return K % 8 == 0 && T * K <= kGemvStageFloats; }
 constexpr int kRouteMaxE = 256;   // route_topk(): experts per token at most
 constexpr int kRouteMaxK = 32;    // route_topk(), moe_route(), moe_down(): top-k at most
 constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
