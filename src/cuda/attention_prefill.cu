@@ -112,17 +112,47 @@ __device__ void merge_key_warps(float* buf, const float (&o)[DH / 8][4], const f
   merge_staged_warps<DH, 16>(wo, wml, row_off, out, partial, n_splits);
 }
 
+// One tile's step of a row's online softmax (log2 units): mx, the row's new running max (over its
+// lanes), rescales the row's sum l by corr = 2^(m - mx) and becomes m. Returns the base the tile's
+// p = 2^(s - base) take: 0 for a row with no visible key yet (its p are 0, no NaN from -inf + inf).
+__device__ __forceinline__ float online_softmax_step(float mx, float& m, float& l, float& corr) {
+  const float base = mx == -INFINITY ? 0.f : mx;
+  corr = exp2f(m - base);
+  m = mx;
+  l *= corr;
+  return base;
+}
+
 // Keys [k0, k0 + kTileK) of KV head kvh, those below k_end, into stage `stage` of ks / vs (rows of
 // smem_ld(DH)), by 16-byte cp.async (zeros past k_end), one commit group. All threads of the block.
+// A tile is one page (k0 a multiple of kKvPageRows): one table entry, then a thread's copies are a
+// fixed stride apart (its rows r0 + j RS, column c), an add per copy for a full tile.
+static_assert(kTileK == kKvPageRows, "a K/V tile is one page of the cache");
 template <int DH>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv, int Hkv,
                                              int kvh, int k0, int k_end, int stage) {
-  constexpr int LD = smem_ld(DH);
-  for (int i = threadIdx.x; i < kTileK * DH / 8; i += kThreads) {
-    const int r = i / (DH / 8), c = (i % (DH / 8)) * 8, key = k0 + r;
-    const size_t off = (kv_row(kv.table, min(key, k_end - 1)) * Hkv + kvh) * DH + c;
-    cp_async16(ks + (stage * kTileK + r) * LD + c, kv.k + off, key < k_end);
-    cp_async16(vs + (stage * kTileK + r) * LD + c, kv.v + off, key < k_end);
+  constexpr int LD = smem_ld(DH), CH = DH / 8, RS = kThreads / CH;  // 16-byte chunks per row, rows per sweep
+  static_assert(kThreads % CH == 0 && kTileK % RS == 0, "a thread's chunks sit in one column");
+  const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8, rows = min(kTileK, k_end - k0);
+  const size_t stride = size_t(Hkv) * DH;
+  const size_t first = (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH + c;
+  __nv_bfloat16* kd = ks + (stage * kTileK + r0) * LD + c;
+  __nv_bfloat16* vd = vs + (stage * kTileK + r0) * LD + c;
+  if (rows == kTileK) {
+#pragma unroll
+    for (int j = 0; j < kTileK / RS; ++j) {
+      const size_t off = first + size_t(r0 + j * RS) * stride;
+      cp_async16(kd + j * RS * LD, kv.k + off, true);
+      cp_async16(vd + j * RS * LD, kv.v + off, true);
+    }
+  } else {  // a tile past k_end (the block's last): those rows zero-filled, from a valid address
+#pragma unroll
+    for (int j = 0; j < kTileK / RS; ++j) {
+      const int r = r0 + j * RS;
+      const size_t off = first + size_t(min(r, rows - 1)) * stride;
+      cp_async16(kd + j * RS * LD, kv.k + off, r < rows);
+      cp_async16(vd + j * RS * LD, kv.v + off, r < rows);
+    }
   }
   cp_async_commit();
 }
@@ -289,10 +319,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      base[i] = mx[i] == -INFINITY ? 0.f : mx[i];  // a row with no visible key yet: p = 0, no NaN
-      corr[i] = exp2f(m[i] - base[i]);
-      m[i] = mx[i];
-      l[i] *= corr[i];
+      base[i] = online_softmax_step(mx[i], m[i], l[i], corr[i]);
     }
 
     // P as the A fragments of the tile's 16-key chunks, straight from S: chunk c = S tiles 2c, 2c+1.
@@ -360,8 +387,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
 }
 
 // The decode form with the keys as the MMA's rows (T * G <= 8 query rows per block: one sequence's
-// decode step at G <= 8; form_of keeps decode batches on the row form, so its kv.tables branch is
-// not reached from attention_prefill): S^T = K Q^T and O^T += V^T P^T, the K/V tile as the A operand
+// decode step at G <= 8; decode batches keep the row form, form_of): S^T = K Q^T and O^T += V^T P^T, the K/V tile as the A operand
 // (ldmatrix, .trans for V) and the block's 8 query rows as the n = 8 columns. Why: the row form
 // pads G = 8 query rows to 16 (half of every MMA's rows, and of Q's and O's registers, are
 // padding) and chains 16 MMAs per score tile; here Q^T is 32 registers, O^T 32, each 16-key score
@@ -369,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
 // movmatrix (a transpose of each 8x8 BF16 block in registers). Otherwise as the KEY_WARPS form:
 // warp w takes keys 16w .. 16w + 15 of every 64-key tile, tiles two stages deep by cp.async, the
 // splits of attention_prefill, the warps merged at the end (merge_staged_warps). Column c = token
-// t0 + c / G, head kvh * G + c % G; lane l holds columns 2 (l % 4), +1 of S^T and O^T, keys (dims)
+// c / G, head kvh * G + c % G; lane l holds columns 2 (l % 4), +1 of S^T and O^T, keys (dims)
 // l / 4 and l / 4 + 8.
 template <int DH, bool SPLIT_P>
 __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
@@ -380,16 +406,13 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
   extern __shared__ __align__(16) __nv_bfloat16 smem[];
   __nv_bfloat16* ks = smem;                    // [2][kTileK][LD]
   __nv_bfloat16* vs = smem + 2 * kTileK * LD;  // [2][kTileK][LD]
-  const int kvh = blockIdx.y;
-  const bool per_seq = kv.tables != nullptr;
-  const int t0 = per_seq ? int(blockIdx.x) : 0, nt = per_seq ? 1 : T, cols = nt * G;
-  if (per_seq) kv.table = kv.tables[t0];
+  const int kvh = blockIdx.y, cols = T * G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, qi = lane & 3;
   const int kw0 = warp * KW;
   auto col_off = [&](int c) -> long long {
-    return c < cols ? (long long)((size_t(t0 + c / G) * H + size_t(kvh) * G + c % G) * DH) : -1;
+    return c < cols ? (long long)((size_t(c / G) * H + size_t(kvh) * G + c % G) * DH) : -1;
   };
-  const BlockKeys keys = start_block_keys<DH>(ks, vs, kv, pos, Hkv, kvh, t0, nt);
+  const BlockKeys keys = start_block_keys<DH>(ks, vs, kv, pos, Hkv, kvh, 0, T);
   const int p_lo = keys.p_lo, k_end = keys.k_end, first_tile = keys.first_tile, n_tiles = keys.n_tiles;
   const int n_splits = gridDim.z;
   auto load_tile = [&](int tile, int stage) {
@@ -401,7 +424,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
   load_q_pairs(q, col_off(quad), qi, qh, ql);
   int cpos[2];  // this lane's columns' query positions (-1: padding, every key masked)
 #pragma unroll
-  for (int c = 0; c < 2; ++c) cpos[c] = 2 * qi + c < cols ? pos[t0 + (2 * qi + c) / G] : -1;
+  for (int c = 0; c < 2; ++c) cpos[c] = 2 * qi + c < cols ? pos[(2 * qi + c) / G] : -1;
 
   float o[KC][4] = {};  // O^T: dims 16 dt + quad (+ 8), columns 2 qi, +1; unnormalized
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // per column: running max (log2), this lane's sum
@@ -436,10 +459,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
       mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 4));
       mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 8));
       mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 16));
-      base[c] = mx[c] == -INFINITY ? 0.f : mx[c];  // a column with no visible key yet: p = 0, no NaN
-      corr[c] = exp2f(m[c] - base[c]);
-      m[c] = mx[c];
-      l[c] *= corr[c];
+      base[c] = online_softmax_step(mx[c], m[c], l[c], corr[c]);
     }
     // P as BF16 pairs in the accumulator layout (keys quad, quad + 8), then transposed by movmatrix
     // into P^T's B fragments: keys 2 qi, +1 (b0) and 2 qi + 8, +9 (b1) of column quad.
@@ -524,6 +544,7 @@ template <int DH, bool SPLIT_P, Form F>
 cudaError_t launch_prefill_as(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
                               int Hkv, int n_splits, cudaStream_t s) {
   static_assert(size_t(kWarps) * 16 * (DH + 2) * sizeof(float) <= smem_bytes(DH), "merge_key_warps's buffer");
+  if (F == Form::keys && kv.tables) return cudaErrorInvalidValue;  // one sequence's keys only
   if (const cudaError_t e = opt_in_smem<DH, SPLIT_P, F>(); e != cudaSuccess) return e;
   const int G = H / Hkv, TQ = (F == Form::rows ? kRows : F == Form::key_warps ? 16 : 8) / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
