@@ -108,6 +108,7 @@ class CudaBackend final : public Backend {
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_ATTN_HEAD")) cuda::set_attention_decode_per_head(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_TC_KEYS")) cuda::set_attention_decode_keys_form(e[0] != '0');
+    if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_TC")) cuda::set_gemv_tc(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_TC_SPLITS")) tc_splits_per_1k_ = std::clamp(std::atoi(e), 1, 64);
     const char* rope_early = std::getenv("TIERMOE_CUDA_ROPE_EARLY");
     cuda::set_rope_early(!(rope_early && rope_early[0] == '0'));
@@ -248,15 +249,15 @@ class CudaBackend final : public Backend {
   }
   // Whether a projection of T tokens over K inputs takes the GEMV-style kernels rather than cuBLAS
   // (x split to BF16 hi + lo, two GEMMs: linear()): T <= kGemvMaxT, unless T >= small_t_blas_ (> 0)
-  // and x does not fit the GEMV's shared-memory stage, where every weight row re-reads all T rows of
-  // x through L1 (Qwen3's o projection at T = 8: 56 us for 17 MB of weights under ncu). From T = 8:
-  // decode batches of 8 measured -8.6% per step (OLMoE shape; Qwen3's -0.5%, its router then not
-  // folded into the o projection), of 6 +2-3%, of 2 and 4 +0-10% (T = 7 not measured).
-  // small_t_blas_all_: from T = small_t_blas_ on whatever the stage (the model check's way onto
-  // this path with tinymix-code's small hidden size).
+  // and the CUDA-core GEMV would re-read x through L1 for every weight row: neither the tensor-core
+  // GEMV (gemv_tc_fits) nor the stage takes it. Measured (docs/benchmarks.md, "Decode batches of 2
+  // .. 8"): cuBLAS beat those CUDA-core GEMVs at B = 8 (-8.6% per step, OLMoE shape), lost at B <=
+  // 6; the tensor cores beat cuBLAS at B = 8 (-12% / -21%). small_t_blas_all_: from T =
+  // small_t_blas_ on cuBLAS whatever the kernels (the model check's way onto this path).
   bool gemv_for(int T, int K) const {
-    return T <= cuda::kGemvMaxT &&
-           (small_t_blas_ == 0 || T < small_t_blas_ || (!small_t_blas_all_ && cuda::gemv_stage_holds(T, K)));
+    if (T > cuda::kGemvMaxT) return false;
+    if (small_t_blas_ == 0 || T < small_t_blas_) return true;
+    return !small_t_blas_all_ && (cuda::gemv_tc_fits(T, K) || cuda::gemv_stage_holds(T, K));
   }
   int small_t_blas_ = 0;             // TIERMOE_CUDA_SMALL_T_BLAS=N, or Na for small_t_blas_all_ (read_switches)
   bool small_t_blas_all_ = false;

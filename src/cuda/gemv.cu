@@ -58,16 +58,6 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(float* __restrict__ y
   }
 }
 
-// Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
-struct GemvSegs {
-  float* y[3];
-  const bf16* W[3];
-  int N[3];
-  int end_block[3];
-  long long* zero;  // zero_n slots of the router's accumulator (RouterLogits) <- 0 by block 0 after the wait
-  int zero_n;
-};
-
 // NR rows per warp: 2 for one token where the stream (below) does not fit (half the blocks of NR =
 // 1: one wave at the OLMoE / Qwen3 shapes instead of about 1.5; 3-5% faster per token,
 // docs/benchmarks.md), else 1 (T > 1 was not timed). TIERMOE_CUDA_GEMV3_ROWS=1|2 forces either
@@ -77,17 +67,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv3_kernel(GemvSegs segs, const
                                                             int K, const float* __restrict__ nw, float eps,
                                                             bool staged) {
   __shared__ GemvStage st;
-  const int b = blockIdx.x;
-  const int s = b < segs.end_block[0] ? 0 : (b < segs.end_block[1] ? 1 : 2);
-  const int first = s == 0 ? 0 : (s == 1 ? segs.end_block[0] : segs.end_block[1]);
-  // Selected with constant indices: a run-time index into the parameter arrays would put them in local memory.
-  float* y = s == 0 ? segs.y[0] : (s == 1 ? segs.y[1] : segs.y[2]);
-  const bf16* W = s == 0 ? segs.W[0] : (s == 1 ? segs.W[1] : segs.W[2]);
-  const int N = s == 0 ? segs.N[0] : (s == 1 ? segs.N[1] : segs.N[2]);
-  const int n0 = ((b - first) * kWarps + (threadIdx.x >> 5)) * NR;
-  gemv_rows<TT, NORM, NR>(y, x, nw, eps, W, T, N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
-  if (b == 0)
-    for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
+  const GemvSeg g = segment_of(segs, blockIdx.x);
+  const int n0 = (g.block * kWarps + (threadIdx.x >> 5)) * NR;
+  gemv_rows<TT, NORM, NR>(g.y, x, nw, eps, g.W, T, g.N, K, false, n0, threadIdx.x & 31, nullptr, staged ? &st : nullptr);
+  zero_router_slots(segs);
 }
 
 // One token's GEMV as a stream (K % 2048 == 0, x staged): one wave of blocks (2 per SM) stage x
@@ -125,8 +108,7 @@ __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) gemv_stream_k
   const unsigned long long seen = ARGMAX && threadIdx.x == 0 ? __ldcg(best) : 0;
   pdl_wait();
   pdl_launch_dependents();
-  if (blockIdx.x == 0)
-    for (int i = threadIdx.x; i < segs.zero_n; i += blockDim.x) segs.zero[size_t(i) * kRouterLogitStride] = 0;
+  zero_router_slots(segs);
   stage_x<1, NORM>(st, x, nw, eps, 1, K);
   const float inv = NORM ? st.inv[0] : 1.f;
   float s = 0.f;
@@ -223,6 +205,9 @@ cudaError_t launch_gemv(float* y, const float* x, const bf16* W, int T, int N, i
 cudaError_t gemv_any(float* y, const float* x, const bf16* W, int T, int N, int K, bool accumulate, const float* norm_w,
                      float eps, RouterLogits rl, cudaStream_t s, unsigned long long* best = nullptr) {
   if (T <= 0 || T > kGemvMaxT) return cudaErrorInvalidValue;
+  if (gemv_tc_fits(T, K))
+    return gemv_tc(GemvSegs{{y, nullptr, nullptr}, {W, nullptr, nullptr}, {N, 0, 0}, {0, 0, 0}, nullptr, 0}, x, T, K,
+                   accumulate, norm_w, eps, rl, best, s);
   cudaError_t e;
   if (T == 1) e = launch_gemv<1>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, best, s);
   else if (T == 2) e = launch_gemv<2>(y, x, W, T, N, K, accumulate, norm_w, eps, rl, best, s);
@@ -280,6 +265,7 @@ cudaError_t gemv3(float* y0, const bf16* W0, int N0, float* y1, const bf16* W1, 
                   long long* zero, int zero_n) {
   if (T <= 0 || T > kGemvMaxT || zero_n < 0 || (zero_n > 0 && !zero)) return cudaErrorInvalidValue;
   const GemvSegs g{{y0, y1, y2}, {W0, W1, W2}, {N0, N1, N2}, {0, 0, 0}, zero, zero_n};
+  if (gemv_tc_fits(T, K)) return gemv_tc(g, x, T, K, false, norm_w, eps, RouterLogits{}, nullptr, s);
   cudaError_t e;
   if (T == 1) e = launch_gemv3<1>(g, x, T, K, norm_w, eps, s);
   else if (T == 2) e = launch_gemv3<2>(g, x, T, K, norm_w, eps, s);

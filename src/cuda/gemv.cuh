@@ -14,6 +14,21 @@ namespace tiermoe::cuda {
 // launch): K % 8 == 0 and T * K <= kStageFloats, unless TIERMOE_CUDA_GEMV_STAGE=0 (gemv.cu).
 bool stage_fits(int T, int K);
 
+// Up to three matrices sharing x (q, k, v): blocks [0, b0) do segment 0, [b0, b1) segment 1, ...
+struct GemvSegs {
+  float* y[3];
+  const bf16* W[3];
+  int N[3];
+  int end_block[3];
+  long long* zero;  // zero_n slots of the router's accumulator (RouterLogits) <- 0 by block 0 after the wait
+  int zero_n;
+};
+
+// 2 .. 8 tokens on the tensor cores (gemv_tc.cu): what gemv_any and gemv3 take where
+// gemv_tc_fits(T, K) (kernels.h); the same forms (norm, accumulate, router logits, argmax). Sets end_block.
+cudaError_t gemv_tc(GemvSegs g, const float* x, int T, int K, bool accumulate, const float* nw, float eps,
+                    RouterLogits rl, unsigned long long* best, cudaStream_t s);
+
 namespace {
 
 constexpr int kWarps = 8;  // warps per block in the GEMV-style kernels
@@ -35,6 +50,27 @@ __device__ __forceinline__ void add_logit(long long* acc, float v) {
   atomicAdd(reinterpret_cast<unsigned long long*>(acc), static_cast<unsigned long long>(__float2ll_rn(v * 0x1p32f)));
 }
 __device__ __forceinline__ float logit_of(long long a) { return float(__ll2double_rn(a) * 0x1p-32); }
+
+// Block b's segment of a GemvSegs launch: its output, weights and rows, and b's index among the
+// segment's blocks. Selected with constant indices: a run-time index into the parameter arrays
+// would put them in local memory.
+struct GemvSeg {
+  float* y;
+  const bf16* W;
+  int N, block;
+};
+__device__ __forceinline__ GemvSeg segment_of(const GemvSegs& g, int b) {
+  const int s = b < g.end_block[0] ? 0 : (b < g.end_block[1] ? 1 : 2);
+  const int first = s == 0 ? 0 : (s == 1 ? g.end_block[0] : g.end_block[1]);
+  return {s == 0 ? g.y[0] : (s == 1 ? g.y[1] : g.y[2]), s == 0 ? g.W[0] : (s == 1 ? g.W[1] : g.W[2]),
+          s == 0 ? g.N[0] : (s == 1 ? g.N[1] : g.N[2]), b - first};
+}
+
+// After the wait, block 0 of the launch: the router accumulator's zero_n slots <- 0 (all its threads).
+__device__ __forceinline__ void zero_router_slots(const GemvSegs& g) {
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < g.zero_n; i += blockDim.x) g.zero[size_t(i) * kRouterLogitStride] = 0;
+}
 
 // A warp's run of units 0 .. units - 1 through two register sets a and b: load(v, u) issues unit
 // u's loads into v, use(v, u) consumes them; unit u + 1's loads are issued before unit u is used,

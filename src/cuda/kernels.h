@@ -253,6 +253,12 @@ int attention_prefill_decode_resident_blocks(int Dh, bool split_p);
 // attention_prefill's blocks of one sequence's T * G <= 8 query rows in the keys form (keys as the
 // MMA's rows; the default) or, off, in the row form of the blocks of up to 16 rows (A/B timing).
 void set_attention_decode_keys_form(bool on);
+// Whether gemv / gemv3 of T tokens over K inputs run on the tensor cores (2 <= T <= 8, K % 256 == 0;
+// T = 2 only where x does not fit the CUDA-core GEMVs' stage): x read once per 16 weight rows
+// instead of once per row. set_gemv_tc (TIERMOE_CUDA_GEMV_TC, A/B timing): 0 never, 1 from T = 2
+// whatever the stage, 2 the default rule.
+bool gemv_tc_fits(int T, int K);
+void set_gemv_tc(int mode);
 // out[T, H, Dh] from the splits' (max, sum, unnormalized output) in partial[T, H, n_splits, Dh + 2]
 // (the max in natural-log units; -inf: a split with no visible key).  twin: the online softmax's merge
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s);

@@ -224,7 +224,9 @@ void check_gemv_argmax() {
   for (C c : {C{1, 1, 8, "random"}, C{1, 8192, 2048, "random"}, C{3, 1000, 64, "random"}, C{8, 37, 512, "random"},
               C{1, 151936, 64, "random"}, C{2, 5000, 128, "ties"}, C{8, 300, 64, "ties"}, C{4, 100, 32, "zeros"},
               // one token as a stream: ties within and across warps, rows of two units, zeros
-              C{1, 8192, 2048, "ties"}, C{1, 5000, 4096, "ties"}, C{1, 4500, 2048, "zeros"}}) {
+              C{1, 8192, 2048, "ties"}, C{1, 5000, 4096, "ties"}, C{1, 4500, 2048, "zeros"},
+              // 2 .. 8 tokens on the tensor cores (16 rows a block): ties within and across blocks, zeros
+              C{4, 8192, 2048, "ties"}, C{8, 5001, 256, "random"}, C{2, 1000, 512, "zeros"}, C{7, 333, 768, "ties"}}) {
     auto x = randn(size_t(c.T) * c.K, 3.f), nw = randn(c.K), w = randn(size_t(c.N) * c.K, 0.05f);
     const std::string kind = c.kind;
     if (kind == "ties")  // rows 3, 7, 11, ... repeat row 0 (8 rows per block: within and across blocks)
@@ -293,6 +295,64 @@ void check_gemv3() {
     CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0, dnw.p, 1e-6f));
     const double en = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
     report(fmt("gemv3+norm (q,k,v) T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K), en, 1e-5);
+  }
+}
+
+// 2 .. 8 tokens on the tensor cores (gemv_tc: K % 256 == 0), against the CPU: plain, accumulating,
+// normed, and gemv3's three segments; N cut inside a 16-row block, one chunk per warp (K = 256)
+// up to several rounds (K = 6144); two runs bit-identical. The CUDA-core GEMV of the same case
+// (set_gemv_tc(0)) is scored too, for comparison. T = 2 only where x does not fit the stage.
+void check_gemv_tc() {
+  struct C { int T, N, K; bool acc, norm; };
+  for (C c : {C{2, 37, 4096, false, false}, C{3, 64, 2048, true, false}, C{3, 37, 256, false, false},
+              C{4, 2048, 2048, false, true},
+              C{5, 17, 512, true, true}, C{6, 1000, 4096, false, false}, C{7, 301, 6144, true, false},
+              C{8, 2048, 4096, true, false}, C{8, 6144, 2048, false, true}, C{2, 16, 2304, false, true}}) {
+    auto x = randn(size_t(c.T) * c.K, 3.f), nw = randn(c.K), w = randn(size_t(c.N) * c.K, 0.05f);
+    auto y0 = randn(size_t(c.T) * c.N);
+    auto wb = bf16_of(w);
+    std::vector<float> h = x, ref = y0;
+    if (c.norm) rmsnorm(h.data(), x.data(), nw.data(), c.T, c.K, 1e-5f);
+    if (c.acc) matmul_add(ref.data(), h.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
+    else matmul(ref.data(), h.data(), wb.data(), DType::BF16, c.T, c.N, c.K);
+    Dev<float> dx(x), dnw(nw);
+    Dev<uint16_t> dw(wb);
+    auto run = [&]() {
+      Dev<float> dy(y0);
+      if (!c.acc) dy.poison();
+      CK(cu::gemv(dy.p, dx.p, dw.p, c.T, c.N, c.K, c.acc, 0, c.norm ? dnw.p : nullptr, 1e-5f));
+      return dy.get();
+    };
+    const bool tc = cu::gemv_tc_fits(c.T, c.K);
+    const auto got = run(), again = run();
+    cu::set_gemv_tc(0);
+    const auto cores = run();
+    cu::set_gemv_tc(2);
+    report(fmt("gemv on the tensor cores T=%d N=%d K=%d%s%s", c.T, c.N, c.K, c.acc ? " +=" : "", c.norm ? " +norm" : ""),
+           tc && got == again ? rel(got, ref) : 1.0, 1e-5,
+           fmt("%s; CUDA cores %.1e", !tc ? "NOT on the tensor cores" : got == again ? "rerun bit-identical" : "rerun DIFFERS",
+               rel(cores, ref)));
+  }
+  struct C3 { int T, Nq, Nk, K; };
+  for (C3 c : {C3{4, 2048, 512, 2048}, C3{8, 4096, 512, 2048}, C3{3, 40, 24, 256}}) {
+    auto x = randn(size_t(c.T) * c.K), nw = randn(c.K);
+    const int Ns[3] = {c.Nq, c.Nk, c.Nk};
+    std::vector<float> h(x.size());
+    rmsnorm(h.data(), x.data(), nw.data(), c.T, c.K, 1e-6f);
+    std::vector<std::vector<uint16_t>> wb(3);
+    std::vector<std::vector<float>> ref(3);
+    for (int i = 0; i < 3; ++i) {
+      wb[i] = bf16_of(randn(size_t(Ns[i]) * c.K, 0.05f));
+      ref[i].resize(size_t(c.T) * Ns[i]);
+      matmul(ref[i].data(), h.data(), wb[i].data(), DType::BF16, c.T, Ns[i], c.K);
+    }
+    Dev<float> dx(x), dnw(nw), y0(ref[0].size()), y1(ref[1].size()), y2(ref[2].size());
+    Dev<uint16_t> w0(wb[0]), w1(wb[1]), w2(wb[2]);
+    y0.poison(), y1.poison(), y2.poison();
+    CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0, dnw.p, 1e-6f));
+    const double e = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
+    report(fmt("gemv3+norm on the tensor cores T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K),
+           cu::gemv_tc_fits(c.T, c.K) ? e : 1.0, 1e-5);
   }
 }
 
@@ -565,7 +625,10 @@ void check_moe_routed() {
               C{8, 256, 8, 64, 72, 16, false, false}, C{2, 256, 32, 128, 96, 8, true, true},
               C{1, 33, 1, 24, 30, 40, false, true}, C{5, 16, 4, 104, 64, 36, true, false},
               // one token's gate/up as a stream: several (k, f) pairs per warp, rows of one and two units
-              C{1, 16, 8, 2048, 2048, 1000, false, false}, C{1, 4, 3, 4096, 2048, 700, true, true}}) {
+              C{1, 16, 8, 2048, 2048, 1000, false, false}, C{1, 4, 3, 4096, 2048, 700, true, true},
+              // the o projection on the tensor cores (2 .. 8 tokens, Da % 256 == 0): the fold over 16-row blocks
+              C{4, 64, 8, 2048, 2048, 64, false, false}, C{6, 128, 8, 2040, 4096, 48, true, true},
+              C{3, 256, 8, 104, 256, 16, true, false}}) {
     const size_t TD = size_t(c.T) * c.D;
     const MoeCase mc{c.T, c.E, c.K, c.D, c.F};
     auto x0 = randn(TD), a = randn(size_t(c.T) * c.Da), nw = randn(c.D), wr = randn(size_t(c.E) * c.D, 0.05f);
@@ -1862,7 +1925,7 @@ int main(int argc, char** argv) {
   if (!models_only) {
     std::printf("== kernels vs CPU twins ==\n");
     const std::pair<const char*, void (*)()> checks[] = {
-        {"gemv", check_gemv}, {"gemv_argmax", check_gemv_argmax}, {"gemv3", check_gemv3}, {"gemv3_rows", check_gemv3_rows}, {"gemv_unstaged", check_gemv_unstaged},
+        {"gemv", check_gemv}, {"gemv_argmax", check_gemv_argmax}, {"gemv3", check_gemv3}, {"gemv_tc", check_gemv_tc}, {"gemv3_rows", check_gemv3_rows}, {"gemv_unstaged", check_gemv_unstaged},
         {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe_routed", check_moe_routed}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
         {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
