@@ -169,7 +169,8 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
     [new-ropelate]="TIERMOE_CUDA_ROPE_EARLY=0"        # qk_norm_rope's pos, norm weights and angles after the wait
     [new-tcrows]="TIERMOE_CUDA_TC_KEYS=0"             # the tensor-core decode's row form instead of the keys form
     [new-smallgemv]="TIERMOE_CUDA_SMALL_T_BLAS=0"     # T = 2..8 projections always on the GEMVs (batches: batchtable)
-    [new-gemvcores]="TIERMOE_CUDA_GEMV_TC=0")         # T = 2..8 projections off the tensor cores (batches: batchtable)
+    [new-gemvcores]="TIERMOE_CUDA_GEMV_TC=0"          # T = 2..8 projections off the tensor cores (batches: batchtable)
+    [new-moerows]="TIERMOE_CUDA_MOE_TC=0")            # T = 2..8 MoE down by rows, not per distinct expert on the tensor cores
   ab_variants=()
   for v in ${AB_VARIANTS:-old new new-nopdl new-bf16prompt}; do
     [ -n "${ab_env[$v]+set}" ] || { echo "ab: unknown variant '$v' (one of: ${!ab_env[*]})"; exit 2; }

@@ -109,6 +109,7 @@ class CudaBackend final : public Backend {
     if (const char* e = std::getenv("TIERMOE_CUDA_ATTN_HEAD")) cuda::set_attention_decode_per_head(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_TC_KEYS")) cuda::set_attention_decode_keys_form(e[0] != '0');
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_TC")) cuda::set_gemv_tc(std::atoi(e));
+    if (const char* e = std::getenv("TIERMOE_CUDA_MOE_TC")) cuda::set_moe_down_tc(std::clamp(std::atoi(e), 0, 2));
     if (const char* e = std::getenv("TIERMOE_CUDA_TC_SPLITS")) tc_splits_per_1k_ = std::clamp(std::atoi(e), 1, 64);
     const char* rope_early = std::getenv("TIERMOE_CUDA_ROPE_EARLY");
     cuda::set_rope_early(!(rope_early && rope_early[0] == '0'));

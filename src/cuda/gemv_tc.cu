@@ -3,52 +3,16 @@
 // memory (Qwen3's o projection at T = 8: 56 us under ncu for 4 us of weight bytes); here an MMA
 // takes 16 weight rows against all 8 token columns, so x is read once per 16 rows.
 //
-// y[T, N] = x[T, K] W[N, K]^T as m16n8k16 MMAs: the 16 rows of a block as the A operand, straight
-// from 16-byte weight loads; the tokens as the 8 columns of B, x split into BF16 hi + lo parts (two
-// MMAs each, FP32-level products, as the cuBLAS path's two GEMMs). A dot product's terms may come in
-// any order, so the k of a 32-wide chunk are permuted: lane quad qi loads 8 consecutive weights
-// 8 qi .. 8 qi + 7 of its rows, which are the k the MMA's fragment layout gives that lane in two
-// MMAs (2 qi, +1, +8, +9 of each 16), and its x fragment takes the same 8 k of its token.
-#include "cuda/gemv.cuh"
+// y[T, N] = x[T, K] W[N, K]^T as m16n8k16 MMAs (gemv_tc.cuh): the 16 rows of a block as the A
+// operand, the tokens as the 8 columns of B, x as BF16 hi + lo parts (two MMAs each, FP32-level
+// products, as the cuBLAS path's two GEMMs).
+#include "cuda/gemv_tc.cuh"
 
 namespace tiermoe::cuda {
 namespace {
 
-constexpr int kTcRows = 16;       // weight rows per block: one MMA's rows
-constexpr int kTcCols = 8;        // token columns: one MMA's columns
-constexpr int kTcChunk = 32;      // k per chunk: one 16-byte load per row and lane quad
-constexpr int kTcRound = 8;       // chunks per round of loads (16 loads of 16 bytes per lane)
+constexpr int kTcRound = 8;  // chunks per round of loads (16 loads of 16 bytes per lane)
 constexpr int kTcMinK = kWarps * kTcChunk;  // K a multiple of this: every warp takes whole chunks
-
-// Token column `quad`'s x at k .. k + 7 (nw applied with NORM; zeros past T) as BF16 hi + lo pairs
-// in the MMA's B layout: [0] for the first MMA (k, +1 | +2, +3), [1] for the second (+4, +5 | +6,
-// +7). ss += the squares of x (the norm's sum).
-template <bool NORM>
-__device__ __forceinline__ void x_fragments(const float* __restrict__ xk, const float* __restrict__ nwk, bool live,
-                                            uint32_t (&hi)[2][2], uint32_t (&lo)[2][2], float& ss) {
-  float v[8] = {};
-  if (live) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(xk)), b = __ldg(reinterpret_cast<const float4*>(xk + 4));
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  }
-  if constexpr (NORM) {
-    const float4 c = __ldg(reinterpret_cast<const float4*>(nwk)), d = __ldg(reinterpret_cast<const float4*>(nwk + 4));
-    const float w[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      ss = fmaf(v[i], v[i], ss);
-      v[i] *= w[i];
-    }
-  }
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    __nv_bfloat16 h0, l0, h1, l1;
-    bf16_split(v[2 * p], h0, l0);
-    bf16_split(v[2 * p + 1], h1, l1);
-    hi[p >> 1][p & 1] = pack(h0, h1);
-    lo[p >> 1][p & 1] = pack(l0, l1);
-  }
-}
 
 // grid: a block per 16 rows of each segment (end_block), kWarps warps; warp w takes k in [w K / kWarps,
 // (w + 1) K / kWarps) of the block's rows for all tokens, in rounds of kTcRound chunks (the first
@@ -109,20 +73,12 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_tc_kernel(GemvSegs segs, con
       const int off = kTcChunk * (c0 + j);
       uint32_t hi[2][2], lo[2][2];
       x_fragments<NORM>(xk + off, NORM ? nwk + off : nullptr, live, hi, lo, ss);
-      const uint4 ra = wv[j][0], rb = wv[j][1];
-      const uint32_t a0[4] = {ra.x, rb.x, ra.y, rb.y}, a1[4] = {ra.z, rb.z, ra.w, rb.w};
-      mma_bf16(c[0], a0, hi[0][0], hi[0][1]);
-      mma_bf16(c[1], a0, lo[0][0], lo[0][1]);
-      mma_bf16(c[2], a1, hi[1][0], hi[1][1]);
-      mma_bf16(c[3], a1, lo[1][0], lo[1][1]);
+      uint32_t a[2][4];
+      a_fragments(wv[j][0], wv[j][1], a);
+      mma_chunk(c, a, hi, lo);
     }
   }
-  // C: rows quad, quad + 8; columns 2 qi, 2 qi + 1.
-  float v4[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v4[i] = (c[0][i] + c[2][i]) + (c[1][i] + c[3][i]);
-  tile[warp][quad][2 * qi] = v4[0], tile[warp][quad][2 * qi + 1] = v4[1];
-  tile[warp][quad + 8][2 * qi] = v4[2], tile[warp][quad + 8][2 * qi + 1] = v4[3];
+  store_tile(tile[warp], c, quad, qi);
   if constexpr (NORM) {  // token quad's squares: the warp's 4 lanes of it
     ss += __shfl_xor_sync(0xffffffffu, ss, 1);
     ss += __shfl_xor_sync(0xffffffffu, ss, 2);

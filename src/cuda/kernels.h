@@ -168,6 +168,16 @@ cudaError_t moe_gate_up(float* act, const float* h, const bf16* Wgu, const int32
 // experts from acc instead of reading ids, and reads weights (moe_gate_up_routed's) after the wait.
 cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* ids, const float* weights, int T,
                      int K, int D, int F, cudaStream_t s, const long long* acc = nullptr, int E = 0);
+// moe_down with acc for 2 .. 8 tokens on the tensor cores (moe_down_tc.cu), each distinct expert's
+// rows read once for all the tokens that chose it. moe_down_tc_fits(T, F): it can run (F % 256 == 0);
+// moe_down runs it (acc given) where moe_down_tc_chosen: by default where 15% of the T K picks are
+// expected to repeat an expert. set_moe_down_tc:
+// 0 never, 1 wherever it fits (both for tests and A/B timing), 2 the default rule.
+bool moe_down_tc_fits(int T, int F);
+bool moe_down_tc_chosen(int T, int E, int K, int F);
+void set_moe_down_tc(int mode);
+cudaError_t moe_down_tc(float* x, const float* act, const bf16* Wd, const float* weights, const long long* acc, int T,
+                        int E, int K, int D, int F, cudaStream_t s);
 // moe_down's kernel shape, for A/B timing: 0 (default) chosen per launch, 1 / 2 pinned to 2 / 4 rows per
 // warp, 3 to 4 rows with pipelined rounds.
 int moe_down_variants();

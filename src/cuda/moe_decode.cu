@@ -2,6 +2,7 @@
 // the selection inside moe_gate_up_routed from the o projection's logit sums), the selected
 // experts' gate/up projections and their down projection with the weighted sum and residual add.
 #include "cuda/gemv.cuh"
+#include "cuda/route.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -14,65 +15,10 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kDownPart = 256;   // moe_down's partial sums per block, R * K at most
-static_assert(kWarps * 32 >= kRouteMaxE, "route_token ranks one expert per thread");
 constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable cluster size, Hopper has it)
 // moe_gate_up_stream_kernel's blocks per SM (0: moe_gate_up_routed_kernel for every T), for A/B timing
 // (set_moe_gate_up_stream): its launch bound, the register budget's most, by default.
 int g_gate_up_stream = kStreamBlocksPerSm;
-
-// Router logits as NaN-proof values: NaN ranks last, so every rank gets exactly one expert.
-__device__ __forceinline__ float rank_value(float v) { return v != v ? -INFINITY : v; }
-
-// All threads of the block: ids[rank] = e for the K experts whose logits l[e] rank first, a rank
-// being the count of logits that beat e's (ties to the lower index, as route_softmax_topk). P
-// consecutive threads count for one expert, each a P-th of the comparisons (P: a power of two up
-// to 32 with P * E <= blockDim.x), summed by shuffles. No barrier: the caller's publishes ids[].
-__device__ void select_topk(int32_t* ids, const float* l, int E, int K) {
-  int P = 1;
-  while (P < 32 && 2 * P * E <= int(blockDim.x)) P *= 2;
-  const int e = threadIdx.x / P, part = threadIdx.x % P;
-  int rank = 0;
-  if (e < E) {
-    const float v = rank_value(l[e]);
-    for (int j = part; j < E; j += P) {
-      const float lj = rank_value(l[j]);
-      rank += lj > v || (lj == v && j < e);
-    }
-  }
-  for (int o = 1; o < P; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
-  if (e < E && part == 0 && rank < K) ids[rank] = e;
-}
-
-// One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]: top-k of l
-// (select_topk), softmax over all E of scale * l (scale > 0 keeps the ranking; 1 leaves l's bits as
-// they are), weights summed in k order when renormalized.
-__device__ void route_token(int32_t* ids, float* weights, const float* l, int E, int K, bool renormalize,
-                            float scale = 1.f) {
-  __shared__ float red[kWarps], prob[kRouteMaxE];
-  const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
-  const float v = e < E ? scale * rank_value(l[e]) : -INFINITY;
-  float m = warp_max(v);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
-  __syncthreads();
-  const float p = e < E ? expf(v - m) : 0.f;
-  if (e < E) prob[e] = p;
-  float den = warp_sum(p);
-  if (lane == 0) red[warp] = den;
-  select_topk(ids, l, E, K);
-  __syncthreads();
-  den = 0.f;
-  for (int w = 0; w < kWarps; ++w) den += red[w];
-  if (e < K) {
-    float sum = 0.f;
-    for (int k = 0; k < K; ++k) sum += prob[ids[k]] / den;
-    const float pe = prob[ids[e]] / den;
-    weights[e] = renormalize ? pe / sum : pe;
-  }
-  __syncthreads();  // red[] and prob[] are reused by the next call
-}
 
 __global__ void __launch_bounds__(kWarps * 32) route_topk_kernel(int32_t* ids, float* weights, const float* logits,
                                                                  int E, int K, bool renormalize) {
@@ -447,6 +393,7 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
                      int K, int D, int F, cudaStream_t s, const long long* acc, int E) {
   if (T == 0) return cudaSuccess;
   if (K < 1 || K > kRouteMaxK || (acc && (E < K || E > kRouteMaxE))) return cudaErrorInvalidValue;
+  if (acc && moe_down_tc_chosen(T, E, K, F)) return moe_down_tc(x, act, Wd, weights, acc, T, E, K, D, F, s);
   const int groups = std::max(1, kWarps / K);  // groups of NR rows per block (K jobs each): R = NR * groups
   const int chunks = F / 8, round4 = 32 * 2;  // a row's 16-byte chunks; NR 4's chunks per round
   const bool pipe = T == 1 && F % 8 == 0 && chunks != 2 * round4;

@@ -619,7 +619,7 @@ void check_moe() {
 // experts from acc, against the CPU twin's o projection, rmsnorm, router matmul, top-k and MoE; ids
 // exact, every moe_down shape, two runs bit-identical. "ties": router rows duplicated in pairs.
 void check_moe_routed() {
-  struct C { int T, E, K, D, Da, F; bool renorm, ties; };
+  struct C { int T, E, K, D, Da, F; bool renorm, ties, same = false; };  // same: every token the same
   for (C c : {C{1, 64, 8, 2048, 2048, 64, false, false}, C{1, 128, 8, 2048, 4096, 48, true, false},
               C{1, 8, 2, 4096, 4096, 112, true, false}, C{3, 60, 6, 48, 40, 24, true, true},
               C{8, 256, 8, 64, 72, 16, false, false}, C{2, 256, 32, 128, 96, 8, true, true},
@@ -628,10 +628,20 @@ void check_moe_routed() {
               C{1, 16, 8, 2048, 2048, 1000, false, false}, C{1, 4, 3, 4096, 2048, 700, true, true},
               // the o projection on the tensor cores (2 .. 8 tokens, Da % 256 == 0): the fold over 16-row blocks
               C{4, 64, 8, 2048, 2048, 64, false, false}, C{6, 128, 8, 2040, 4096, 48, true, true},
-              C{3, 256, 8, 104, 256, 16, true, false}}) {
+              C{3, 256, 8, 104, 256, 16, true, false},
+              // down on the tensor cores (2 .. 8 tokens, F % 256 == 0): experts shared by tokens, every
+              // token the same (each expert all T tokens'), D past a 16-row tile, K up to 32, more
+              // 16-row items than blocks (D = 4096), F of one and several units per warp
+              C{8, 256, 8, 256, 256, 256, true, false}, C{5, 16, 4, 200, 512, 512, false, true},
+              C{7, 64, 8, 256, 512, 256, true, false, true}, C{8, 256, 32, 256, 256, 256, true, false},
+              C{2, 8, 2, 4096, 4096, 1024, true, false}, C{8, 8, 2, 768, 256, 768, false, false, true}}) {
     const size_t TD = size_t(c.T) * c.D;
     const MoeCase mc{c.T, c.E, c.K, c.D, c.F};
     auto x0 = randn(TD), a = randn(size_t(c.T) * c.Da), nw = randn(c.D), wr = randn(size_t(c.E) * c.D, 0.05f);
+    for (int t = 1; c.same && t < c.T; ++t) {
+      std::copy_n(x0.begin(), c.D, x0.begin() + size_t(t) * c.D);
+      std::copy_n(a.begin(), c.Da, a.begin() + size_t(t) * c.Da);
+    }
     if (c.ties)
       for (int e = 1; e < c.E; e += 2) std::copy_n(wr.begin() + size_t(e - 1) * c.D, c.D, wr.begin() + size_t(e) * c.D);
     const auto wob = bf16_of(randn(size_t(c.D) * c.Da, 0.05f)), wrb = bf16_of(wr);
@@ -654,18 +664,28 @@ void check_moe_routed() {
     Dev<uint16_t> dwo(wob), dwr(wrb), dgu(m.gub), ddn(m.dnb);
     Dev<int32_t> di(m.ids.size());
     Dev<long long> acc(size_t(c.T) * c.E * cu::kRouterLogitStride);
-    std::vector<float> act_rows;  // moe_gate_up_routed's act under the first mode, to compare bits
-    // every shape of moe_down; then, for one token, moe_gate_up_routed as a stream at 1 block per SM
-    // and by rows (0); 2 blocks per SM (the default) ran with the moe_down shapes
-    for (int v = 0; v < cu::moe_down_variants() + 2; ++v) {
-      const int stream = v < cu::moe_down_variants() ? 2 : v - cu::moe_down_variants();
-      cu::set_moe_down_variant(v < cu::moe_down_variants() ? v : 0);
+    // Modes (moe_down shape, one token's gate/up stream blocks per SM or 0 by rows, down on the tensor
+    // cores where they fit): every moe_down shape; for one token the stream at 1 block per SM and by
+    // rows; for 2 .. 8 tokens where the tensor cores fit, down on them and by rows.
+    struct Mode { int down, stream; bool tc; };
+    const bool tc = cu::moe_down_tc_fits(c.T, c.F);
+    std::vector<Mode> modes;
+    for (int v = 0; v < (tc ? 1 : cu::moe_down_variants()); ++v) modes.push_back({v, 2, true});
+    if (c.T == 1) modes.insert(modes.end(), {{0, 1, true}, {0, 0, true}});
+    else if (tc)
+      for (int v = 0; v < cu::moe_down_variants(); ++v) modes.push_back({v, 2, false});
+    std::vector<float> act_first;  // moe_gate_up_routed's act under the first mode, to compare bits
+    for (const Mode& md : modes) {
+      const int v = md.down, stream = md.stream;
+      cu::set_moe_down_variant(v);
       cu::set_moe_gate_up_stream(stream);
-      if (c.T > 1 && stream != 2) continue;
+      cu::set_moe_down_tc(md.tc ? 1 : 0);
       int wrong = 0;
       double werr = 0;
-      report_moe(fmt("o-proj router + moe_gate_up_routed + moe_down T=%d E=%d K=%d D=%d F=%d%s down %d gate_up %s", c.T,
-                     c.E, c.K, c.D, c.F, c.ties ? " ties" : "", v, stream ? fmt("stream x%d", stream).c_str() : "rows"),
+      const std::string mode = c.T > 1 || !stream ? "rows" : fmt("stream x%d", stream);
+      const std::string down = cu::moe_down_tc_fits(c.T, c.F) ? "tensor cores" : fmt("%d", v);
+      report_moe(fmt("o-proj router + moe_gate_up_routed + moe_down T=%d E=%d K=%d D=%d F=%d%s%s down %s gate_up %s", c.T,
+                     c.E, c.K, c.D, c.F, c.ties ? " ties" : "", c.same ? " same" : "", down.c_str(), mode.c_str()),
                  mc, m, [&](float* x) {
                    CK(cudaMemset(acc.p, 0, acc.n * sizeof(long long)));
                    dact.poison(), di.poison(), dwt.poison();
@@ -680,13 +700,13 @@ void check_moe_routed() {
       report(fmt("  its routing ids and weights (x2)"), werr, 1e-5, fmt("ids %s", wrong ? "DIFFER" : "exact"));
       if (wrong) ++g_fail;
       const auto act = dact.get();
-      if (act_rows.empty()) act_rows = act;
-      const bool same = std::memcmp(act.data(), act_rows.data(), act.size() * sizeof(float)) == 0;
-      report(fmt("  moe_gate_up_routed %s: act bits as the first", stream ? fmt("stream x%d", stream).c_str() : "by rows"),
-             same ? 0.0 : 1.0, 0.0);
+      if (act_first.empty()) act_first = act;
+      const bool same = std::memcmp(act.data(), act_first.data(), act.size() * sizeof(float)) == 0;
+      report(fmt("  moe_gate_up_routed %s: act bits as the first", mode.c_str()), same ? 0.0 : 1.0, 0.0);
     }
     cu::set_moe_down_variant(0);
     cu::set_moe_gate_up_stream(2);
+    cu::set_moe_down_tc(2);
   }
 }
 
