@@ -32,6 +32,7 @@
 #include "cuda/decode_splits.h"
 #include "cuda/kernels.h"
 #include "cuda/sampling.h"
+#include "cuda/step_timeline.h"
 
 namespace tiermoe {
 namespace {
@@ -175,6 +176,7 @@ class CudaBackend final : public Backend {
         const SampleRow& row = pass_rows[size_t(r)];
         h_sample_rows_[r] = {row.params.temperature, row.params.top_k, row.params.top_p, row.u};
       }
+      timeline_.mark(cuda::StepTimeline::kStart, stream_, pass.size() == 1 && pass[0].tokens.size() == 1 && n == 1);
       launch_pass(pass, n);
       sample_pass(n, tokens + done);
       done += size_t(n);
@@ -268,6 +270,10 @@ class CudaBackend final : public Backend {
   PromptAttention prompt_attention_;
   uint64_t seed_ = 0;
   cudaStream_t stream_ = nullptr;
+  cuda::StepTimeline timeline_{[] {
+    const char* e = std::getenv("TIERMOE_CUDA_STEP_TIMELINE");
+    return e && e[0] == '1';
+  }()};
   cublasHandle_t blas_ = nullptr;
   std::vector<void*> owned_;
 
@@ -363,6 +369,12 @@ class CudaBackend final : public Backend {
   bool greedy_pass_ = false, greedy_fold_ = true;  // TIERMOE_CUDA_GREEDY_FOLD=0 (read_switches): sample_tokens
   unsigned long long* argmax_best_ = nullptr;      // [kGemvMaxT] slots, kRouterLogitStride apart, 0 between steps
   int32_t *h_ids_ = nullptr, *h_pos_ = nullptr;
+  // A step's ids and positions read by its first kernel from the pinned buffers above (the
+  // positions copied on), and a greedy step's tokens written by argmax_tokens straight into
+  // h_tokens_: no copy operations around the graph (TIERMOE_CUDA_MAPPED_IO=0: the copies, read at
+  // construction). The buffers' device addresses:
+  bool mapped_io_ = true;
+  int32_t *d_h_ids_ = nullptr, *d_h_pos_ = nullptr, *d_h_tokens_ = nullptr;
   float* h_logits_ = nullptr;
   static constexpr int kPinnedLogitRows = 8;
   // Device sampling: rows of a pass (at most max_chunk), sampled kSampleRows at a time in a
@@ -542,6 +554,10 @@ void CudaBackend::alloc_workspace() {
   tokens_ = dalloc<int32_t>(owned_, size_t(Tm));
   CUDA_CK(cudaMallocHost(&h_sample_rows_, size_t(Tm) * sizeof(cuda::SampleRowDevice)));
   CUDA_CK(cudaMallocHost(&h_tokens_, size_t(Tm) * 4));
+  if (const char* e = std::getenv("TIERMOE_CUDA_MAPPED_IO")) mapped_io_ = e[0] != '0';
+  CUDA_CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_h_ids_), h_ids_, 0));
+  CUDA_CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_h_pos_), h_pos_, 0));
+  CUDA_CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_h_tokens_), h_tokens_, 0));
   sample_scratch_bytes_ = cuda::sample_tokens_scratch_bytes(std::min(Tm, kSampleRows), cfg_.vocab_size);
   CHECK_MSG(sample_scratch_bytes_ > 0, "sampling scratch: vocabulary too large");
   sample_scratch_ = dalloc<char>(owned_, sample_scratch_bytes_);
@@ -734,7 +750,8 @@ void CudaBackend::moe(const DLayer& L, int T, bool logits_in_acc) {
 void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logits) {
   const int D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
   const float eps = cfg_.rms_norm_eps;
-  CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
+  if (mapped_io_) CUDA_CK(cuda::embed(x_, embed_, d_h_ids_, T, D, stream_, d_h_pos_, pos_));
+  else CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
   // Decode attention on the tensor cores (one sequence, or a batch through tables_): qk_norm_rope
   // appends the new rows first.
   const bool tc = tc_decode(pieces);
@@ -809,7 +826,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     if (greedy_pass_) {  // the final norm and the argmax folded into the LM head (gemv_for: launch_pass)
       CUDA_CK(cuda::gemv_argmax(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, final_norm_, eps,
                                 argmax_best_, stream_));
-      CUDA_CK(cuda::argmax_tokens(tokens_, argmax_best_, n_logits, stream_));
+      CUDA_CK(cuda::argmax_tokens(mapped_io_ ? d_h_tokens_ : tokens_, argmax_best_, n_logits, stream_));
     } else if (gemv_for(n_logits, D)) {  // the final norm folded into the LM head
       CUDA_CK(cuda::gemv(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, false, stream_, final_norm_, eps));
     } else {
@@ -848,8 +865,11 @@ void CudaBackend::sample_pass(int n, int32_t* tokens) {
                                   sample_scratch_bytes_, stream_, sort));
     }
   }
-  if (n > 0) CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
+  if (n > 0 && !(greedy_pass_ && mapped_io_))  // else argmax_tokens wrote them to h_tokens_
+    CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
+  timeline_.mark(cuda::StepTimeline::kToken, stream_, false);
   CUDA_CK(cudaStreamSynchronize(stream_));  // also: the pinned inputs are free for the next pass
+  timeline_.close_step();
   if (n > 0) std::memcpy(tokens, h_tokens_, size_t(n) * 4);
 }
 
@@ -897,8 +917,10 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   }
   if (tc_decode(pieces))
     if (const int splits = tc_decode_splits(pieces[0].cache->length() + pieces[0].n)) pieces[0].n_splits = splits;
-  CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
-  CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+  if (!mapped_io_) {
+    CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+  }
   greedy_pass_ = greedy_fold_ && !sample_single_stage_ && sample_rows == n_logits && n_logits > 0 &&
                  gemv_for(n_logits, cfg_.hidden_size) &&
                  std::all_of(h_sample_rows_, h_sample_rows_ + n_logits, [V = cfg_.vocab_size](const auto& row) {
@@ -932,6 +954,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   GraphKey key{nullptr, batch_splits_, n_logits, B, batch_tc_, greedy_pass_};
   if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces), greedy_pass_};
   bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
+  timeline_.mark(cuda::StepTimeline::kInputs, stream_, false);
   if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;
   if (graph) {
     auto it = graphs_.find(key);
@@ -954,6 +977,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   } else {
     run_layers(pieces, T, n_logits);
   }
+  timeline_.mark(cuda::StepTimeline::kLayers, stream_, false);
   for (const Piece& p : pieces) p.cache->advance(p.n);
   return n_logits;
 }

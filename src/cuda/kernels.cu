@@ -17,8 +17,10 @@
 namespace tiermoe::cuda {
 namespace {
 
-__global__ void embed_kernel(float* x, const bf16* table, const int32_t* ids, int D) {
+__global__ void embed_kernel(float* x, const bf16* table, const int32_t* ids, int D, const int32_t* pos_in,
+                             int32_t* pos_out) {
   const int t = blockIdx.x;
+  if (pos_out && threadIdx.x == 0) pos_out[t] = pos_in[t];
   const bf16* row = table + size_t(ids[t]) * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x) x[size_t(t) * D + d] = bf(row[d]);
 }
@@ -276,9 +278,11 @@ bool programmatic_launch() { return g_programmatic_launch; }
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 void set_rope_early(bool on) { g_rope_early = on; }
 
-cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s) {
+cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s,
+                  const int32_t* pos_in, int32_t* pos_out) {
   if (T == 0) return cudaSuccess;
-  embed_kernel<<<T, 256, 0, s>>>(x, table, ids, D);
+  if ((pos_in == nullptr) != (pos_out == nullptr)) return cudaErrorInvalidValue;
+  embed_kernel<<<T, 256, 0, s>>>(x, table, ids, D, pos_in, pos_out);
   return cudaGetLastError();
 }
 

@@ -48,7 +48,10 @@ void set_programmatic_launch(bool on);
 void set_gemv_stage(bool on);
 
 // x[T, D] = table[ids[t], D]                                   twin: the CPU embedding copy
-cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s);
+// With pos_out: also pos_out[t] = pos_in[t], a step's positions, so that a decode step can read its
+// ids and positions from pinned host memory (mapped) and needs no copy before its first kernel.
+cudaError_t embed(float* x, const bf16* table, const int32_t* ids, int T, int D, cudaStream_t s,
+                  const int32_t* pos_in = nullptr, int32_t* pos_out = nullptr);
 
 // y[rows, D] = x / sqrt(mean(x^2) + eps) * w[D]  (in place allowed)   twin: rmsnorm
 cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, float eps, cudaStream_t s);

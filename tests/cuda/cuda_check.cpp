@@ -465,6 +465,23 @@ void check_rmsnorm_rope_misc() {
     Dev<float> dx(size_t(T) * D);
     CK(cu::embed(dx.p, dt.p, di.p, T, D, 0));
     report("embed T=4 V=50 D=24", rel(dx.get(), ref), 0);
+    // The decode step's form: ids and positions read from pinned host memory, the positions copied.
+    int32_t *h_ids = nullptr, *h_pos = nullptr;
+    CK(cudaMallocHost(&h_ids, T * 4));
+    CK(cudaMallocHost(&h_pos, T * 4));
+    const std::vector<int32_t> pos = {7, 8, 4095, 0};
+    std::copy(ids.begin(), ids.end(), h_ids);
+    std::copy(pos.begin(), pos.end(), h_pos);
+    Dev<int32_t> dpos(T);
+    dx.poison();
+    CK(cu::embed(dx.p, dt.p, h_ids, T, D, 0, h_pos, dpos.p));
+    report("embed T=4 V=50 D=24, ids and positions in pinned host memory", rel(dx.get(), ref), 0,
+           dpos.get() == pos ? "positions copied" : "positions DIFFER");
+    if (dpos.get() != pos) ++g_fail;
+    const bool refused = cu::embed(dx.p, dt.p, h_ids, T, D, 0, h_pos, nullptr) == cudaErrorInvalidValue;
+    report("embed refuses pos_in without pos_out", refused ? 0.0 : 1.0, 0.0);
+    cudaFreeHost(h_ids);
+    cudaFreeHost(h_pos);
   }
 }
 
