@@ -176,7 +176,7 @@ class CudaBackend final : public Backend {
         const SampleRow& row = pass_rows[size_t(r)];
         h_sample_rows_[r] = {row.params.temperature, row.params.top_k, row.params.top_p, row.u};
       }
-      timeline_.mark(cuda::StepTimeline::kStart, stream_, pass.size() == 1 && pass[0].tokens.size() == 1 && n == 1);
+      timeline_.start(stream_, pass.size() == 1 && pass[0].tokens.size() == 1 && n == 1);
       launch_pass(pass, n);
       sample_pass(n, tokens + done);
       done += size_t(n);
@@ -867,7 +867,7 @@ void CudaBackend::sample_pass(int n, int32_t* tokens) {
   }
   if (n > 0 && !(greedy_pass_ && mapped_io_))  // else argmax_tokens wrote them to h_tokens_
     CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
-  timeline_.mark(cuda::StepTimeline::kToken, stream_, false);
+  timeline_.mark(cuda::StepTimeline::kToken, stream_);
   CUDA_CK(cudaStreamSynchronize(stream_));  // also: the pinned inputs are free for the next pass
   timeline_.close_step();
   if (n > 0) std::memcpy(tokens, h_tokens_, size_t(n) * 4);
@@ -954,7 +954,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   GraphKey key{nullptr, batch_splits_, n_logits, B, batch_tc_, greedy_pass_};
   if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces), greedy_pass_};
   bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
-  timeline_.mark(cuda::StepTimeline::kInputs, stream_, false);
+  timeline_.mark(cuda::StepTimeline::kInputs, stream_);
   if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;
   if (graph) {
     auto it = graphs_.find(key);
@@ -977,7 +977,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   } else {
     run_layers(pieces, T, n_logits);
   }
-  timeline_.mark(cuda::StepTimeline::kLayers, stream_, false);
+  timeline_.mark(cuda::StepTimeline::kLayers, stream_);
   for (const Piece& p : pieces) p.cache->advance(p.n);
   return n_logits;
 }

@@ -1,4 +1,4 @@
-// The tensor-core GEMV's operands (gemv_tc.cu; moe_decode_tc.cu): 16 weight rows as the A operand of
+// The tensor-core GEMV's operands (gemv_tc.cu; moe_down_tc.cu): 16 weight rows as the A operand of
 // m16n8k16 MMAs straight from 16-byte loads, up to 8 tokens as the columns of B, x split into BF16
 // hi + lo. The k of a 32-wide chunk are permuted: lane quad qi loads 8 consecutive weights 8 qi ..
 // 8 qi + 7 of its rows, which are the k the fragment layout gives that lane in two MMAs (2 qi, +1,

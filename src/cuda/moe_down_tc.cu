@@ -211,14 +211,6 @@ double repeat_share(int T, int E, int K) {
   const double distinct = E * (1.0 - std::pow(1.0 - double(K) / E, T));
   return 1.0 - distinct / (double(T) * K);
 }
-
-// Blocks of `kernel` per SM (256 threads, smem bytes of dynamic shared memory), 1 at least.
-template <class Kernel>
-int blocks_per_sm(Kernel kernel, size_t smem = 0) {
-  int n = 0;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem) == cudaSuccess ? std::max(n, 1)
-                                                                                                    : 1;
-}
 }  // namespace
 
 void set_moe_down_tc(int mode) { g_moe_down_tc = mode; }
@@ -238,7 +230,12 @@ cudaError_t moe_down_tc(float* x, const float* act, const bf16* Wd, const float*
   static const cudaError_t allowed =
       cudaFuncSetAttribute(moe_down_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (allowed != cudaSuccess) return allowed;
-  static const int per_sm = blocks_per_sm(moe_down_tc_kernel, smem);
+  static const int per_sm = [] {  // 1 at least
+    int n = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, moe_down_tc_kernel, kWarps * 32, smem) == cudaSuccess
+               ? std::max(n, 1)
+               : 1;
+  }();
   const int blocks = std::min((D + kTcRows - 1) / kTcRows, per_sm * sm_count());
   return launch(moe_down_tc_kernel, blocks, kWarps * 32, smem, s, x, act, Wd, weights, acc, T, E, K, D, F);
 }

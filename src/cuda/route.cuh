@@ -1,4 +1,4 @@
-// The router's selection on chip, shared by moe_decode.cu's kernels and moe_decode_tc.cu's: top-k
+// The router's selection on chip, shared by moe_decode.cu's kernels and moe_down_tc.cu's: top-k
 // by ranks (select_topk) and the softmax weights (route_token), all threads of a block.
 #pragma once
 #include "cuda/gemv.cuh"

@@ -1,8 +1,8 @@
 // Where a sampled step's wall time goes on the GPU's clock (TIERMOE_CUDA_STEP_TIMELINE=1, for
 // measurement only): events on the backend's stream at the step's start (as the host issues it),
-// after its input copies, after the graph (or the eager layers) and after the token's copy back.
-// Why: a step's host-clock time also holds what the GPU waits for between steps -- the host's turn
-// from the last token's copy to the next step's first copy -- which no kernel timing shows.
+// after its inputs are on the device, after the graph (or the eager layers) and after its token is
+// on the host. Why: a step's host-clock time also holds what the GPU waits for between steps -- the
+// host's turn from the last token to the next step -- which no kernel timing shows.
 // Printed at destruction as medians over the decode steps (one token, one logits row).
 #pragma once
 #include <algorithm>
@@ -29,11 +29,13 @@ class StepTimeline {
   StepTimeline(const StepTimeline&) = delete;
   StepTimeline& operator=(const StepTimeline&) = delete;
 
-  // Marks of the step under way (`decode`: one token, one logits row), in order.
-  void mark(Mark m, cudaStream_t s, bool decode) {
-    if (!on_) return;
-    if (m == kStart) decode_ = decode;
-    cudaEventRecord(ev_[cur_ * kMarks + m], s);
+  // A step begins (`decode`: one token, one logits row); its later marks follow in order.
+  void start(cudaStream_t s, bool decode) {
+    decode_ = decode;
+    mark(kStart, s);
+  }
+  void mark(Mark m, cudaStream_t s) {
+    if (on_) cudaEventRecord(ev_[cur_ * kMarks + m], s);
   }
   // After the step's synchronization: its intervals, and the GPU's idle time since the last step.
   void close_step() {
