@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/backend.h"
+#include "queued_decode.h"
 #include "test_util.h"
 
 namespace tiermoe {
@@ -68,6 +69,16 @@ TEST(Batching, ForwardSampleSamplesEachLogitsRowInOrder) {
   for (int r = 0; r < 10; ++r)
     EXPECT_EQ(tokens[r], sample_token(std::span<const float>(&logits[size_t(r) * V], V), rows[r].params, rows[r].u))
         << "row " << r;
+}
+
+// Overlapped decode through the default queue (forward_sample at queue time): chained steps take
+// the last step's ids, and the step queued past a stop is truncated away.
+TEST(Batching, QueuedDecodeEqualsForwardSample) {
+  auto w = load_weights(test::tinymix_dir());
+  auto backend = make_cpu_backend(*w);
+  const std::vector<std::vector<int32_t>> prompts{some_ids(5, 8), some_ids(3, 9)};
+  EXPECT_EQ(test::queued_decode_mismatches(*backend, prompts, 5, 2, {0.f, 0, 1.f, 0}), 0);
+  EXPECT_EQ(test::queued_decode_mismatches(*backend, prompts, 5, 2, {0.9f, 0, 0.95f, 3}), 0);
 }
 
 }  // namespace

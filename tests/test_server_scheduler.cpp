@@ -173,5 +173,86 @@ TEST(Scheduler, ReservationCoversWhatTheDefaultCacheHolds) {
   }
 }
 
+// A backend that says its queued steps run ahead of the host (the default queue, which runs them
+// at once, underneath), so that the scheduler takes its overlapped path on the CPU; it counts
+// the chained steps it is given.
+struct OverlappingBackend final : Backend {
+  Backend& inner;
+  int chained = 0, queued_at_once = 0;
+  bool in_queue = false;
+  explicit OverlappingBackend(Backend& b) : inner(b) {}
+  std::string name() const override { return inner.name(); }
+  int vocab_size() const override { return inner.vocab_size(); }
+  std::unique_ptr<KvCache> new_cache() const override { return inner.new_cache(); }
+  void forward_batch(std::span<const SeqStep> steps, float* logits) override {
+    if (!in_queue) {
+      EXPECT_EQ(queued_steps(), 0) << "a step ran with steps queued";
+    }
+    inner.forward_batch(steps, logits);
+  }
+  bool overlaps_steps() const override { return true; }
+  void queue_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows) override {
+    chained += steps[0].tokens.empty();
+    in_queue = true;
+    Backend::queue_sample(steps, rows);
+    in_queue = false;
+    queued_at_once = std::max(queued_at_once, queued_steps());
+  }
+};
+
+// Overlapped decode steps (the next one queued before this one's tokens are handed out) give
+// every request the tokens of one step at a time, with requests finishing at different steps
+// (each finish ends a chain whose next step is already queued), a stop id and stop strings.
+TEST(Scheduler, OverlappedStepsEqualOneStepAtATime) {
+  Engine engine(tinymix());
+  const std::vector<std::string> prompts = {"def add(a, b):\n", "import os\n\n", "class Stack:\n    def ", "for i in range("};
+  const int max_tokens[] = {3, 11, 24, 40};
+  std::string stop_string;  // a piece of request 2's text, and request 3's eighth token: set below
+  int32_t stop_id = -1;
+  auto run = [&](bool overlap, OverlappingBackend& backend) {
+    SchedulerOptions o;
+    o.overlap = overlap;
+    Scheduler sched(backend, engine.config(), &engine.tokenizer(), o);
+    std::vector<std::shared_ptr<SeqStream>> outs;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SeqRequest r;
+      r.prompt = engine.tokenizer().encode(prompts[i]);
+      r.sampling.temperature = 0;
+      r.max_tokens = max_tokens[i];
+      if (i == 2 && !stop_string.empty()) r.stop = {stop_string};
+      if (i == 3 && stop_id >= 0) r.stop_ids = {stop_id};
+      outs.push_back(sched.submit(r));
+    }
+    std::vector<std::pair<std::vector<int32_t>, std::string>> got;
+    for (auto& out : outs) {
+      std::vector<int32_t> ids;
+      std::string text, reason;
+      for (bool done = false; !done;) {
+        const SeqStream::Chunk c = out->take(std::chrono::seconds(30));
+        ids.insert(ids.end(), c.ids.begin(), c.ids.end());
+        text += c.text;
+        done = c.finished;
+        reason = c.finish_reason;
+      }
+      got.push_back({ids, text + "|" + reason});
+    }
+    return got;
+  };
+  OverlappingBackend plain(engine.backend()), one_at_a_time(engine.backend()), overlapped(engine.backend());
+  const auto no_stops = run(false, plain);
+  stop_string = no_stops[2].second.substr(12, 4);
+  stop_id = no_stops[3].first[7];
+  const auto want = run(false, one_at_a_time), got = run(true, overlapped);
+  EXPECT_EQ(one_at_a_time.chained, 0);
+  EXPECT_GE(overlapped.chained, 5);
+  EXPECT_EQ(overlapped.queued_at_once, 2);
+  EXPECT_TRUE(want[2].second.ends_with("|stop") && want[3].second.ends_with("|stop")) << want[2].second << want[3].second;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(got[i].first, want[i].first) << prompts[i];
+    EXPECT_EQ(got[i].second, want[i].second) << prompts[i];
+  }
+  EXPECT_EQ(overlapped.queued_steps(), 0);
+}
+
 }  // namespace
 }  // namespace tiermoe

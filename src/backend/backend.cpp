@@ -1,6 +1,7 @@
 #include "backend/backend.h"
 
 #include <algorithm>
+#include <string>
 
 #include "core/check.h"
 
@@ -19,6 +20,45 @@ void Backend::forward_sample(std::span<const SeqStep> steps, std::span<const Sam
   forward_batch(steps, logits.data());
   for (size_t r = 0; r < rows.size(); ++r)
     tokens[r] = sample_token(std::span<const float>(logits.data() + r * V, V), rows[r].params, rows[r].u);
+}
+
+bool Backend::check_queue(std::span<const SeqStep> steps, std::span<const SampleRow> rows) const {
+  check_sample_rows(steps, rows);
+  CHECK_MSG(int(queued_.size()) < kMaxQueued, "queue_sample: at most kMaxQueued steps queued; take_sample first");
+  CHECK_MSG(!steps.empty(), "queue_sample: no steps");
+  const bool chained = steps[0].tokens.empty();
+  for (const SeqStep& s : steps) {
+    CHECK_MSG(s.cache != nullptr && s.n_logits == 1 && s.tokens.size() == (chained ? 0u : 1u),
+              "queue_sample: decode steps only (one token, or none when chained, and one logits row each)");
+  }
+  if (chained) {
+    CHECK_MSG(last_queued_.caches.size() == steps.size(), "queue_sample: a chained step needs the last queued step's caches");
+    for (size_t i = 0; i < steps.size(); ++i)
+      CHECK_MSG(last_queued_.caches[i] == steps[i].cache, "queue_sample: a chained step needs the last queued step's caches, in order");
+  }
+  return chained;
+}
+
+void Backend::check_nothing_queued(const char* what) const {
+  if (!queued_.empty()) check_failed("queued_.empty()", __FILE__, __LINE__, (std::string(what) + ": take_sample every queued step first").c_str());
+}
+
+void Backend::queue_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows) {
+  const bool chained = check_queue(steps, rows);
+  std::vector<SeqStep> resolved(steps.begin(), steps.end());
+  for (size_t i = 0; chained && i < resolved.size(); ++i) resolved[i].tokens = std::span(&last_queued_.ids[i], 1);
+  Queued q;
+  for (const SeqStep& s : steps) q.caches.push_back(s.cache);
+  q.ids.resize(steps.size());
+  forward_sample(resolved, rows, q.ids.data());
+  last_queued_ = q;
+  queued_.push_back(std::move(q));
+}
+
+void Backend::take_sample(int32_t* tokens) {
+  CHECK_MSG(!queued_.empty(), "take_sample: nothing queued");
+  std::copy(queued_.front().ids.begin(), queued_.front().ids.end(), tokens);
+  queued_.pop_front();
 }
 
 void split_into_passes(std::span<const Backend::SeqStep> steps, int max_tokens, int vocab, float* logits,

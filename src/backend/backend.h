@@ -3,6 +3,7 @@
 // reference every other backend is checked against.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -54,6 +55,22 @@ class Backend {
   // may sample on its device and return only the ids. This default samples host logits.
   virtual void forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens);
 
+  // Decoding with the next step queued while the host handles the last one's ids, so the device
+  // does not wait for the host between steps. queue_sample takes decode steps (one token and one
+  // logits row each) as forward_sample does and may return before they run; a step with no
+  // tokens is chained: its token is the id its cache's previous queued step sampled, which may
+  // not have reached the host yet (the previous queue_sample must have had the same caches in
+  // the same order). take_sample waits for the oldest queued step and writes its ids. At most
+  // kMaxQueued steps are queued; take every one before forward_batch, forward_sample, or a
+  // cache's truncate(). A step queued past a sequence's end is taken and its row truncated.
+  // Default: queue_sample runs forward_sample at once.
+  static constexpr int kMaxQueued = 2;
+  // Whether queued steps really run ahead of the host (else queue_sample is forward_sample).
+  virtual bool overlaps_steps() const { return false; }
+  virtual void queue_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows);
+  virtual void take_sample(int32_t* tokens);
+  int queued_steps() const { return int(queued_.size()); }
+
   // One sequence: tokens[T], logits[n_logits, V] for its last n_logits tokens.
   void forward(std::span<const int32_t> tokens, KvCache& cache, int n_logits, float* logits) {
     const SeqStep step{tokens, &cache, n_logits};
@@ -63,6 +80,20 @@ class Backend {
  protected:
   // forward_sample's contract: one SampleRow per logits row (the steps' n_logits summed).
   static void check_sample_rows(std::span<const SeqStep> steps, std::span<const SampleRow> rows);
+  // queue_sample's contract: decode steps only, at most kMaxQueued, a chain that matches the last
+  // queued step's caches. Returns whether the steps are chained.
+  bool check_queue(std::span<const SeqStep> steps, std::span<const SampleRow> rows) const;
+  void check_nothing_queued(const char* what) const;
+
+  // A queued step: its caches in order (for chaining) and, once known on the host, its ids;
+  // `slot` is the backend's own (CUDA: which pinned buffers hold its inputs and ids).
+  struct Queued {
+    std::vector<const KvCache*> caches;
+    std::vector<int32_t> ids;
+    int slot = -1;
+  };
+  std::deque<Queued> queued_;
+  Queued last_queued_;  // the most recent queue_sample's step, queued or taken
 };
 
 // Cuts batched steps into passes of at most max_tokens tokens and calls run_pass on each,

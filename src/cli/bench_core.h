@@ -3,6 +3,7 @@
 #pragma once
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <random>
 #include <span>
@@ -47,11 +48,49 @@ inline nlohmann::json bench_sampling_json(const SamplingParams& p) {
   return {{"temperature", p.temperature}, {"top_k", p.top_k}, {"top_p", p.top_p}};
 }
 
-// One stream: a random prompt of prompt_tokens, then gen_tokens decode steps, repeated (repeat 0
-// warms up) on one cache emptied each time. Times on the host clock around each forward_sample
-// call (which returns after the token id is on the host).
+// Decode steps, timed: warmup + gen_tokens steps of `steps` (one token each), each step's token
+// the last one's; ms[i] is the host-clock time from step warmup + i - 1's ids reaching the host
+// (from the call, for the first step) to step warmup + i's. next: the first step's tokens in, the
+// last step's out. Overlapped (the default, as a server would run): step i + 1 is queued before
+// step i's ids are taken, so the device never waits for the host (Backend::queue_sample); else
+// one forward_sample per step.
+inline std::vector<double> bench_decode(Backend& backend, std::span<const Backend::SeqStep> steps,
+                                        const std::function<std::vector<Backend::SampleRow>()>& draw_rows,
+                                        std::vector<int32_t>& next, int gen_tokens, bool overlap, int warmup = 0) {
+  using clock = std::chrono::steady_clock;
+  overlap = overlap && backend.overlaps_steps();  // else the queue would only move work between laps
+  std::vector<double> ms;
+  std::vector<int32_t> token = next;
+  std::vector<Backend::SeqStep> fed(steps.begin(), steps.end());
+  for (size_t b = 0; b < fed.size(); ++b) fed[b].tokens = std::span(&token[b], 1);
+  std::vector<Backend::SeqStep> chained(steps.begin(), steps.end());
+  for (auto& s : chained) s.tokens = {};
+  auto t = clock::now();
+  auto lap = [&] {
+    const auto now = clock::now();
+    ms.push_back(std::chrono::duration<double, std::milli>(now - t).count());
+    t = now;
+  };
+  if (overlap) backend.queue_sample(fed, draw_rows());
+  for (int i = 0; i < warmup + gen_tokens; ++i) {
+    if (!overlap) {
+      token = next;
+      backend.forward_sample(fed, draw_rows(), next.data());
+    } else {
+      if (i + 1 < warmup + gen_tokens) backend.queue_sample(chained, draw_rows());
+      backend.take_sample(next.data());
+    }
+    lap();
+  }
+  ms.erase(ms.begin(), ms.begin() + warmup);
+  return ms;
+}
+
+// One stream: a random prompt of prompt_tokens, then gen_tokens decode steps (bench_decode),
+// repeated (repeat 0 warms up) on one cache emptied each time.
 inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int prompt_tokens, int gen_tokens,
-                                   int repeats, const SamplingParams& sampling = {0.f, 0, 1.f, 0}) {
+                                   int repeats, const SamplingParams& sampling = {0.f, 0, 1.f, 0},
+                                   bool overlap = true) {
   std::mt19937 rng(1234);
   std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
   for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
@@ -60,24 +99,15 @@ inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int
   std::vector<double> prefill_ms, step_ms;
   Sampler sampler(sampling);
   auto cache = backend.new_cache();  // one cache, emptied per repeat (a captured CUDA graph stays valid)
+  auto draw_rows = [&] { return std::vector<Backend::SampleRow>{{sampling, sampler.draw()}}; };
   for (int r = 0; r <= repeats; ++r) {
     cache->truncate(0);
-    int32_t next = 0;
-    auto step = [&](std::span<const int32_t> tokens) {
-      const Backend::SeqStep s{tokens, cache.get(), 1};
-      const Backend::SampleRow row{sampling, sampler.draw()};
-      backend.forward_sample(std::span(&s, 1), std::span(&row, 1), &next);
-    };
-    auto t0 = clock::now();
-    step(prompt);
+    std::vector<int32_t> next(1);
+    const Backend::SeqStep s{prompt, cache.get(), 1};
+    const auto t0 = clock::now();
+    backend.forward_sample(std::span(&s, 1), draw_rows(), next.data());
     const double pf = ms_since(t0);
-    std::vector<double> steps;
-    for (int i = 0; i < gen_tokens; ++i) {
-      const int32_t token = next;
-      t0 = clock::now();
-      step(std::span(&token, 1));
-      steps.push_back(ms_since(t0));
-    }
+    const std::vector<double> steps = bench_decode(backend, std::span(&s, 1), draw_rows, next, gen_tokens, overlap);
     if (r == 0) continue;
     prefill_ms.push_back(pf);
     step_ms.insert(step_ms.end(), steps.begin(), steps.end());
@@ -87,26 +117,27 @@ inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int
   return {{"backend", backend.name()}, {"batch", 1}, {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens},
           {"repeats", repeats}, {"ttft_ms", ttft}, {"prefill_tokens_per_s", prompt_tokens / ttft * 1000.0},
           {"ms_per_token_p50", p50}, {"ms_per_token_p99", p99}, {"tokens_per_s", 1000.0 / p50},
-          {"sampling", bench_sampling_json(sampling)}};
+          {"sampling", bench_sampling_json(sampling)}, {"overlapped_steps", overlap && backend.overlaps_steps()}};
 }
 
 // B streams decoding together (continuous batching at a steady batch): each gets its own random
-// prompt of prompt_tokens (prefilled one at a time), then gen_tokens steps of forward_sample with
-// one new token per stream. Times each step on the host clock; ms_per_token_* is the time of one
-// step (every stream gets one token per step), tokens_per_s counts all B streams.
+// prompt of prompt_tokens (prefilled one at a time), then gen_tokens steps with one new token per
+// stream (bench_decode, after warm-up steps). ms_per_token_* is the time of one step (every stream
+// gets one token per step), tokens_per_s counts all B streams.
 inline nlohmann::json bench_batch(Backend& backend, const ModelConfig& cfg, int batch, int prompt_tokens,
-                                  int gen_tokens, const SamplingParams& sampling = {0.f, 0, 1.f, 0}) {
+                                  int gen_tokens, const SamplingParams& sampling = {0.f, 0, 1.f, 0},
+                                  bool overlap = true) {
   std::mt19937 rng(1234);
   using clock = std::chrono::steady_clock;
   auto ms_since = [](clock::time_point t0) { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); };
   std::vector<std::unique_ptr<KvCache>> caches;
   std::vector<Sampler> samplers;
-  std::vector<int32_t> next(static_cast<size_t>(batch)), token(static_cast<size_t>(batch));
-  std::vector<double> prefill_ms, step_ms;
-  auto run = [&](std::span<const Backend::SeqStep> steps, int first) {  // streams first, first + 1, ...
+  std::vector<int32_t> next(static_cast<size_t>(batch));
+  std::vector<double> prefill_ms;
+  auto draw_rows = [&](size_t first, size_t n) {  // streams first, first + 1, ...
     std::vector<Backend::SampleRow> rows;
-    for (size_t i = 0; i < steps.size(); ++i) rows.push_back({sampling, samplers[size_t(first) + i].draw()});
-    backend.forward_sample(steps, rows, next.data() + first);
+    for (size_t i = 0; i < n; ++i) rows.push_back({sampling, samplers[first + i].draw()});
+    return rows;
   };
   for (int b = 0; b < batch; ++b) {
     std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
@@ -115,21 +146,21 @@ inline nlohmann::json bench_batch(Backend& backend, const ModelConfig& cfg, int 
     samplers.emplace_back(SamplingParams{sampling.temperature, sampling.top_k, sampling.top_p, uint64_t(b)});
     const Backend::SeqStep s{prompt, caches.back().get(), 1};
     const auto t0 = clock::now();
-    run(std::span(&s, 1), b);
+    backend.forward_sample(std::span(&s, 1), draw_rows(size_t(b), 1), next.data() + b);
     prefill_ms.push_back(ms_since(t0));
   }
-  std::vector<Backend::SeqStep> steps(static_cast<size_t>(batch));
-  for (int i = 0; i < gen_tokens + 2; ++i) {  // two warm-up steps (graphs, first-use costs)
-    token = next;
-    for (int b = 0; b < batch; ++b) steps[b] = {std::span(&token[b], 1), caches[b].get(), 1};
-    const auto t0 = clock::now();
-    run(steps, 0);
-    if (i >= 2) step_ms.push_back(ms_since(t0));
-  }
+  std::vector<Backend::SeqStep> steps;
+  for (auto& c : caches) steps.push_back({{}, c.get(), 1});
+  // Warm-up steps first: a batch step's graph is captured the second time its key comes, and
+  // overlapped steps use three keys (the first step's inputs, then two alternating sets).
+  auto all_rows = [&] { return draw_rows(0, size_t(batch)); };
+  const bool queued = overlap && backend.overlaps_steps();
+  const std::vector<double> step_ms = bench_decode(backend, steps, all_rows, next, gen_tokens, queued, queued ? 6 : 2);
   const double p50 = bench_percentile(step_ms, 50), p99 = bench_percentile(step_ms, 99);
   return {{"backend", backend.name()}, {"batch", batch}, {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens},
           {"repeats", 1}, {"ttft_ms", bench_percentile(prefill_ms, 50)}, {"ms_per_token_p50", p50},
-          {"ms_per_token_p99", p99}, {"tokens_per_s", batch * 1000.0 / p50}, {"sampling", bench_sampling_json(sampling)}};
+          {"ms_per_token_p99", p99}, {"tokens_per_s", batch * 1000.0 / p50}, {"sampling", bench_sampling_json(sampling)},
+          {"overlapped_steps", overlap && backend.overlaps_steps()}};
 }
 
 // Adds bytes_per_token, floor_ms and fraction_of_floor (floor / measured p50; 1 = at the floor).

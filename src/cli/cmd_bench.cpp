@@ -45,8 +45,8 @@ int run_bench(const CommonOptions& c, const BenchOptions& b) {
   if (prompt_tokens + gen_tokens > cfg.max_position_embeddings)
     throw InputError("bench: --ctx + --gen exceeds the model's context of " +
                      std::to_string(cfg.max_position_embeddings));
-  nlohmann::json out = b.batch > 1 ? bench_batch(backend, cfg, b.batch, prompt_tokens, gen_tokens, sampling)
-                                   : bench_stream(backend, cfg, prompt_tokens, gen_tokens, repeats, sampling);
+  nlohmann::json out = b.batch > 1 ? bench_batch(backend, cfg, b.batch, prompt_tokens, gen_tokens, sampling, b.overlap)
+                                   : bench_stream(backend, cfg, prompt_tokens, gen_tokens, repeats, sampling, b.overlap);
   out["device"] = device;
   out["kv"] = c.kv;
   const double p50 = out["ms_per_token_p50"], p99 = out["ms_per_token_p99"], ttft = out["ttft_ms"];

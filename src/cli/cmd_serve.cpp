@@ -37,6 +37,7 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   eo.scheduler.max_batch = s.max_batch;
   eo.scheduler.max_queue = s.max_queue;
   eo.scheduler.step_tokens = s.step_tokens;
+  eo.scheduler.overlap = s.overlap;
   eo.scheduler.kv_budget_bytes = size_t(s.kv_memory_mb) << 20;
   auto metrics = std::make_shared<ServerMetrics>();
   eo.observer = metrics;

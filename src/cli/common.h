@@ -57,6 +57,7 @@ struct ServeOptions {
   std::string model_name;  // default: the model directory's name
   int max_batch = 64, max_queue = 128, step_tokens = 256;
   int kv_memory_mb = 1024;
+  bool overlap = true;  // decode steps queued ahead (SchedulerOptions::overlap); --no-overlap: one at a time
 };
 
 int run_generate(const CommonOptions& c, const std::string& prompt, const std::string& prompt_ids, int max_tokens,
@@ -73,6 +74,7 @@ struct BenchOptions {
   std::string config_file;  // config.json instead of --model, for --load-format dummy
   float temperature = 0.f, top_p = 1.f;  // decode steps sample like this (default: greedy)
   int top_k = 0;
+  bool overlap = true;  // decode steps queued ahead (Backend::queue_sample); --no-overlap: one at a time
 };
 int run_bench(const CommonOptions& c, const BenchOptions& b);
 int run_serve(const CommonOptions& c, const ServeOptions& s);

@@ -112,6 +112,9 @@ int main(int argc, char** argv) {
   bench->add_option("--temperature", bo.temperature, "Sample decode steps at this temperature (0: greedy)")->capture_default_str();
   bench->add_option("--top-p", bo.top_p, "Nucleus mass when sampling")->capture_default_str();
   bench->add_option("--top-k", bo.top_k, "Top-k when sampling (0: all)")->capture_default_str();
+  bench->add_flag("--no-overlap{false}", bo.overlap,
+                  "Run each decode step after the last one's tokens reach the host (default: the next step is "
+                  "queued first)");
 
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
   add_common(serve, c, false);
@@ -124,6 +127,9 @@ int main(int argc, char** argv) {
   serve->add_option("--max-queue", so.max_queue, "Waiting requests at most (beyond: 429)")->capture_default_str();
   serve->add_option("--step-tokens", so.step_tokens, "Tokens per batched step (decodes + prefill chunks)")->capture_default_str();
   serve->add_option("--kv-memory-mb", so.kv_memory_mb, "KV cache memory admission may reserve")->capture_default_str();
+  serve->add_flag("--no-overlap{false}", so.overlap,
+                  "Run each decode step after the last one's tokens are handed out (default: the next step is "
+                  "queued first)");
 
   try {
     app.parse(argc, argv);

@@ -141,6 +141,8 @@ class CudaBackend final : public Backend {
     cudaFreeHost(h_tables_);
     cudaFreeHost(h_sample_rows_);
     cudaFreeHost(h_tokens_);
+    for (cudaEvent_t e : slot_done_)
+      if (e) cudaEventDestroy(e);
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
   }
@@ -156,6 +158,7 @@ class CudaBackend final : public Backend {
   int kv_page_tokens() const override { return cuda::kKvPageRows; }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
+    check_nothing_queued("forward_batch");
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, logits,
                       [&](const std::vector<SeqStep>& pass, float* out) { forward_pass(pass, out); });
   }
@@ -164,8 +167,8 @@ class CudaBackend final : public Backend {
   // instead of [B, V] logits. TIERMOE_CUDA_SAMPLE=0 (read at every call, for A/B): the host
   // samples the copied-back logits (Backend's default).
   void forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens) override {
-    if (const char* e = std::getenv("TIERMOE_CUDA_SAMPLE"); e && e[0] == '0')
-      return Backend::forward_sample(steps, rows, tokens);
+    check_nothing_queued("forward_sample");
+    if (!device_sampling()) return Backend::forward_sample(steps, rows, tokens);
     check_sample_rows(steps, rows);
     size_t done = 0;
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, nullptr, [&](const std::vector<SeqStep>& pass, float*) {
@@ -181,6 +184,70 @@ class CudaBackend final : public Backend {
       sample_pass(n, tokens + done);
       done += size_t(n);
     });
+  }
+
+  // Queued decode steps run on the device one after another while the host waits for the older
+  // one's ids: the step's inputs and ids in one of the two pinned sets (io_slot_), a chained step's
+  // ids read by its embed from the last step's set. Where the device cannot sample (host
+  // sampling), the steps already queued are finished and this one runs as forward_sample.
+  void queue_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows) override {
+    const bool chained = check_queue(steps, rows);
+    Queued q;
+    for (const SeqStep& s : steps) q.caches.push_back(s.cache);
+    if (!device_sampling() || int(steps.size()) > io_rows_) {
+      finish_queued();
+      std::vector<SeqStep> resolved(steps.begin(), steps.end());
+      for (size_t i = 0; chained && i < resolved.size(); ++i) resolved[i].tokens = std::span(&last_queued_.ids[i], 1);
+      q.ids.resize(steps.size());
+      forward_sample(resolved, rows, q.ids.data());
+    } else {
+      // The set no queued step holds (at most one is queued here): 0 when none is, so that every
+      // chain starts on the same graphs.
+      q.slot = queued_.empty() || queued_.back().slot != 0 ? 0 : 1;
+      const bool on_device = chained && last_queued_.ids.empty();  // else the last ids are on the host
+      std::vector<SeqStep> resolved(steps.begin(), steps.end());
+      for (size_t i = 0; chained && !on_device && i < resolved.size(); ++i)
+        resolved[i].tokens = std::span(&last_queued_.ids[i], 1);
+      cuda::SampleRowDevice* h_rows = h_sample_rows_ + io(q.slot);
+      for (size_t r = 0; r < rows.size(); ++r)
+        h_rows[r] = {rows[r].params.temperature, rows[r].params.top_k, rows[r].params.top_p, rows[r].u};
+      struct QueuedPass {  // the pass's buffers, back to the synchronous ones however it ends
+        CudaBackend& b;
+        ~QueuedPass() { b.io_slot_ = 0, b.chain_slot_ = -1, b.queued_pass_ = false; }
+      } restore{*this};
+      io_slot_ = q.slot;
+      chain_slot_ = on_device ? last_queued_.slot : -1;
+      queued_pass_ = true;
+      launch_pass(resolved, int(rows.size()));
+      sample_pass(int(rows.size()), nullptr);
+    }
+    last_queued_ = q;
+    queued_.push_back(std::move(q));
+  }
+
+  bool overlaps_steps() const override { return device_sampling(); }
+
+  void take_sample(int32_t* tokens) override {
+    CHECK_MSG(!queued_.empty(), "take_sample: nothing queued");
+    finish(queued_.front());
+    std::copy(queued_.front().ids.begin(), queued_.front().ids.end(), tokens);
+    queued_.pop_front();
+  }
+
+  // TIERMOE_CUDA_SAMPLE=0 (read at every call, for A/B): the host samples copied-back logits.
+  static bool device_sampling() {
+    const char* e = std::getenv("TIERMOE_CUDA_SAMPLE");
+    return !(e && e[0] == '0');
+  }
+  // A queued step's ids to the host, once its device work is done.
+  void finish(Queued& q) {
+    if (!q.ids.empty()) return;
+    CUDA_CK(cudaEventSynchronize(slot_done_[q.slot]));
+    q.ids.assign(h_tokens_ + io(q.slot), h_tokens_ + io(q.slot) + q.caches.size());
+    if (last_queued_.slot == q.slot && last_queued_.ids.empty()) last_queued_.ids = q.ids;
+  }
+  void finish_queued() {
+    for (Queued& q : queued_) finish(q);
   }
 
   // Weights: from a checkpoint, or random (dummy).
@@ -375,6 +442,14 @@ class CudaBackend final : public Backend {
   // construction). The buffers' device addresses:
   bool mapped_io_ = true;
   int32_t *d_h_ids_ = nullptr, *d_h_pos_ = nullptr, *d_h_tokens_ = nullptr;
+  // Queued decode steps (queue_sample): the pinned step buffers (ids, positions, page tables,
+  // sampling rows, tokens) come in two sets of io_rows_ rows, used in turn, so that the host fills
+  // one step's while the device runs the other's. io_slot_: the set of the pass being launched (0
+  // outside queue_sample); chain_slot_: the set whose tokens are its ids (a chained step), or -1.
+  int io_rows_ = 0, io_slot_ = 0, chain_slot_ = -1;
+  bool queued_pass_ = false;  // launched by queue_sample: no step timeline, no wait
+  cudaEvent_t slot_done_[2] = {};
+  size_t io(int slot) const { return size_t(slot) * size_t(io_rows_); }
   float* h_logits_ = nullptr;
   static constexpr int kPinnedLogitRows = 8;
   // Device sampling: rows of a pass (at most max_chunk), sampled kSampleRows at a time in a
@@ -409,6 +484,7 @@ class CudaBackend final : public Backend {
     int n_splits = 0, n_logits = 0, batch = 1;
     bool tc_attention = false;  // decode attention on the tensor cores (tc_decode())
     bool greedy = false;        // the tokens' argmax in the LM head (greedy_pass_)
+    int io_slot = 0, chain_slot = -1;  // the pinned buffers it reads and writes (queue_sample)
     auto operator<=>(const GraphKey&) const = default;
   };
   std::map<GraphKey, cudaGraphExec_t> graphs_;
@@ -541,19 +617,21 @@ void CudaBackend::alloc_workspace() {
   split_counters_ = dalloc<unsigned>(owned_, n_counters);
   CUDA_CK(cudaMemset(split_counters_, 0, n_counters * sizeof(unsigned)));
   tables_ = dalloc<const int32_t*>(owned_, size_t(Tm));
-  CUDA_CK(cudaMallocHost(&h_tables_, size_t(Tm) * sizeof(const int32_t*)));
+  io_rows_ = Tm;
+  CUDA_CK(cudaMallocHost(&h_tables_, io(2) * sizeof(const int32_t*)));
+  for (cudaEvent_t& e : slot_done_) CUDA_CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
   decode_resident_blocks_ = cuda::attention_decode_resident_blocks(H, Hkv, Dh);
   decode_split_cap_ = cuda::attention_decode_split_cap(H, Hkv, Dh);
   if (cuda::attention_prefill_supported(H, Hkv, Dh))
     tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
-  CUDA_CK(cudaMallocHost(&h_ids_, size_t(Tm) * 4));
-  CUDA_CK(cudaMallocHost(&h_pos_, size_t(Tm) * 4));
+  CUDA_CK(cudaMallocHost(&h_ids_, io(2) * 4));
+  CUDA_CK(cudaMallocHost(&h_pos_, io(2) * 4));
   CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
   sample_rows_ = dalloc<cuda::SampleRowDevice>(owned_, size_t(Tm));
   tokens_ = dalloc<int32_t>(owned_, size_t(Tm));
-  CUDA_CK(cudaMallocHost(&h_sample_rows_, size_t(Tm) * sizeof(cuda::SampleRowDevice)));
-  CUDA_CK(cudaMallocHost(&h_tokens_, size_t(Tm) * 4));
+  CUDA_CK(cudaMallocHost(&h_sample_rows_, io(2) * sizeof(cuda::SampleRowDevice)));
+  CUDA_CK(cudaMallocHost(&h_tokens_, io(2) * 4));
   if (const char* e = std::getenv("TIERMOE_CUDA_MAPPED_IO")) mapped_io_ = e[0] != '0';
   CUDA_CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_h_ids_), h_ids_, 0));
   CUDA_CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_h_pos_), h_pos_, 0));
@@ -750,8 +828,13 @@ void CudaBackend::moe(const DLayer& L, int T, bool logits_in_acc) {
 void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logits) {
   const int D = cfg_.hidden_size, H = cfg_.num_heads, Hkv = cfg_.num_kv_heads, Dh = cfg_.head_dim;
   const float eps = cfg_.rms_norm_eps;
-  if (mapped_io_) CUDA_CK(cuda::embed(x_, embed_, d_h_ids_, T, D, stream_, d_h_pos_, pos_));
-  else CUDA_CK(cuda::embed(x_, embed_, ids_, T, D, stream_));
+  // A chained step's ids are the tokens the previous step wrote (mapped: its pinned set; else tokens_).
+  const int32_t* chained_ids = chain_slot_ < 0 ? nullptr : mapped_io_ ? d_h_tokens_ + io(chain_slot_) : tokens_;
+  if (mapped_io_)
+    CUDA_CK(cuda::embed(x_, embed_, chained_ids ? chained_ids : d_h_ids_ + io(io_slot_), T, D, stream_,
+                        d_h_pos_ + io(io_slot_), pos_));
+  else
+    CUDA_CK(cuda::embed(x_, embed_, chained_ids ? chained_ids : ids_, T, D, stream_));
   // Decode attention on the tensor cores (one sequence, or a batch through tables_): qk_norm_rope
   // appends the new rows first.
   const bool tc = tc_decode(pieces);
@@ -826,7 +909,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     if (greedy_pass_) {  // the final norm and the argmax folded into the LM head (gemv_for: launch_pass)
       CUDA_CK(cuda::gemv_argmax(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, final_norm_, eps,
                                 argmax_best_, stream_));
-      CUDA_CK(cuda::argmax_tokens(mapped_io_ ? d_h_tokens_ : tokens_, argmax_best_, n_logits, stream_));
+      CUDA_CK(cuda::argmax_tokens(mapped_io_ ? d_h_tokens_ + io(io_slot_) : tokens_, argmax_best_, n_logits, stream_));
     } else if (gemv_for(n_logits, D)) {  // the final norm folded into the LM head
       CUDA_CK(cuda::gemv(logits_, h_, lm_head_.w, n_logits, lm_head_.out, lm_head_.in, false, stream_, final_norm_, eps));
     } else {
@@ -852,25 +935,32 @@ void CudaBackend::forward_pass(const std::vector<SeqStep>& steps, float* logits)
 }
 
 // After the graph replay, outside it: the rows' params and u change at every step. A greedy pass's
-// tokens are already in tokens_ (greedy_pass_).
+// tokens are already in tokens_ (greedy_pass_). Queued (tokens null): returns once the step's
+// tokens are on their way to h_tokens_'s set io_slot_, with slot_done_[io_slot_] after them.
 void CudaBackend::sample_pass(int n, int32_t* tokens) {
   const int V = cfg_.vocab_size;
+  const cuda::SampleRowDevice* h_rows = h_sample_rows_ + io(io_slot_);
+  int32_t* h_tokens = h_tokens_ + io(io_slot_);
   if (n > 0 && !greedy_pass_) {
-    CUDA_CK(cudaMemcpyAsync(sample_rows_, h_sample_rows_, size_t(n) * sizeof(cuda::SampleRowDevice),
+    CUDA_CK(cudaMemcpyAsync(sample_rows_, h_rows, size_t(n) * sizeof(cuda::SampleRowDevice),
                             cudaMemcpyHostToDevice, stream_));
     for (int r = 0; r < n; r += kSampleRows) {
       const int m = std::min(kSampleRows, n - r);
-      const bool sort = sample_single_stage_ || cuda::sample_any_sort_row(h_sample_rows_ + r, m, V);
+      const bool sort = sample_single_stage_ || cuda::sample_any_sort_row(h_rows + r, m, V);
       CUDA_CK(cuda::sample_tokens(tokens_ + r, logits_ + size_t(r) * V, sample_rows_ + r, m, V, sample_scratch_,
                                   sample_scratch_bytes_, stream_, sort));
     }
   }
   if (n > 0 && !(greedy_pass_ && mapped_io_))  // else argmax_tokens wrote them to h_tokens_
-    CUDA_CK(cudaMemcpyAsync(h_tokens_, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CK(cudaMemcpyAsync(h_tokens, tokens_, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_));
+  if (queued_pass_) {
+    CUDA_CK(cudaEventRecord(slot_done_[io_slot_], stream_));
+    return;
+  }
   timeline_.mark(cuda::StepTimeline::kToken, stream_);
   CUDA_CK(cudaStreamSynchronize(stream_));  // also: the pinned inputs are free for the next pass
   timeline_.close_step();
-  if (n > 0) std::memcpy(tokens, h_tokens_, size_t(n) * 4);
+  if (n > 0) std::memcpy(tokens, h_tokens, size_t(n) * 4);
 }
 
 int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows) {
@@ -880,12 +970,15 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   for (const SeqStep& s : steps) {
     auto* cache = dynamic_cast<CudaKvCache*>(s.cache);
     CHECK_MSG(cache != nullptr, "the CUDA backend needs caches from its own new_cache()");
-    const int n = int(s.tokens.size()), len = cache->length();
+    // A chained step (chain_slot_ >= 0) has one token, read on the device from the last step's.
+    const int n = chain_slot_ >= 0 ? 1 : int(s.tokens.size()), len = cache->length();
     cache->reserve(len + n);
     for (int i = 0; i < n; ++i) {
-      CHECK(s.tokens[i] >= 0 && s.tokens[i] < cfg_.vocab_size);
-      h_ids_[T + i] = s.tokens[i];
-      h_pos_[T + i] = len + i;
+      if (chain_slot_ < 0) {
+        CHECK(s.tokens[i] >= 0 && s.tokens[i] < cfg_.vocab_size);
+        h_ids_[io(io_slot_) + size_t(T + i)] = s.tokens[i];
+      }
+      h_pos_[io(io_slot_) + size_t(T + i)] = len + i;
     }
     Piece p{cache, n, s.n_logits, 0, kDecodeSplit};
     const int keys = len + n, max_splits = (max_context() + kDecodeSplit - 1) / kDecodeSplit;
@@ -918,12 +1011,13 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   if (tc_decode(pieces))
     if (const int splits = tc_decode_splits(pieces[0].cache->length() + pieces[0].n)) pieces[0].n_splits = splits;
   if (!mapped_io_) {
-    CUDA_CK(cudaMemcpyAsync(ids_, h_ids_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CK(cudaMemcpyAsync(pos_, h_pos_, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+    if (chain_slot_ < 0) CUDA_CK(cudaMemcpyAsync(ids_, h_ids_ + io(io_slot_), size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CK(cudaMemcpyAsync(pos_, h_pos_ + io(io_slot_), size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
   }
+  const cuda::SampleRowDevice* h_rows = h_sample_rows_ + io(io_slot_);
   greedy_pass_ = greedy_fold_ && !sample_single_stage_ && sample_rows == n_logits && n_logits > 0 &&
                  gemv_for(n_logits, cfg_.hidden_size) &&
-                 std::all_of(h_sample_rows_, h_sample_rows_ + n_logits, [V = cfg_.vocab_size](const auto& row) {
+                 std::all_of(h_rows, h_rows + n_logits, [V = cfg_.vocab_size](const auto& row) {
                    return cuda::sample_argmax_row(row, V);
                  });
   batch_splits_ = 0;
@@ -941,8 +1035,9 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
       batch_tc_ = false;
     } else {
       batch_splits_ = splits;
-      for (int b = 0; b < B; ++b) h_tables_[b] = pieces[b].cache->table();
-      CUDA_CK(cudaMemcpyAsync(tables_, h_tables_, size_t(B) * sizeof(const int32_t*),
+      const int32_t** h_tables = h_tables_ + io(io_slot_);
+      for (int b = 0; b < B; ++b) h_tables[b] = pieces[b].cache->table();
+      CUDA_CK(cudaMemcpyAsync(tables_, h_tables, size_t(B) * sizeof(const int32_t*),
                               cudaMemcpyHostToDevice, stream_));
     }
   }
@@ -951,10 +1046,11 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   // launch) run as captured graphs; a batch key is captured only once it has been seen before,
   // so one-off batch sizes stay eager (and cuBLAS has run eagerly before any capture).
   const bool decode_batch = B > 1 && batch_splits_ > 0 && n_logits == B;
-  GraphKey key{nullptr, batch_splits_, n_logits, B, batch_tc_, greedy_pass_};
-  if (B == 1) key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces), greedy_pass_};
+  GraphKey key{nullptr, batch_splits_, n_logits, B, batch_tc_, greedy_pass_, io_slot_, chain_slot_};
+  if (B == 1)
+    key = {pieces[0].cache->table(), pieces[0].n_splits, n_logits, 1, tc_decode(pieces), greedy_pass_, io_slot_, chain_slot_};
   bool graph = opts_.use_graphs && ((B == 1 && T == 1) || decode_batch);
-  timeline_.mark(cuda::StepTimeline::kInputs, stream_);
+  if (!queued_pass_) timeline_.mark(cuda::StepTimeline::kInputs, stream_);
   if (graph && decode_batch && !graphs_.contains(key)) graph = !batch_keys_seen_.insert(key).second;
   if (graph) {
     auto it = graphs_.find(key);
@@ -977,7 +1073,7 @@ int CudaBackend::launch_pass(const std::vector<SeqStep>& steps, int sample_rows)
   } else {
     run_layers(pieces, T, n_logits);
   }
-  timeline_.mark(cuda::StepTimeline::kLayers, stream_);
+  if (!queued_pass_) timeline_.mark(cuda::StepTimeline::kLayers, stream_);
   for (const Piece& p : pieces) p.cache->advance(p.n);
   return n_logits;
 }

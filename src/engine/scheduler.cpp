@@ -187,6 +187,7 @@ void Scheduler::loop() {
       } catch (const std::exception& e) {
         // The backend failed (e.g. out of memory): end every running request with the reason,
         // free their caches, and keep serving.
+        drain_ahead();
         std::vector<std::pair<std::shared_ptr<SeqStream>, int>> failed;
         for (auto& s : running) failed.emplace_back(s->out, s->generated);
         running.clear();
@@ -197,10 +198,22 @@ void Scheduler::loop() {
     }
     publish_gauges(running);
   }
+  drain_ahead();
   for (auto& s : running) s->out->finish("cancelled", s->generated);
   std::lock_guard lock(mu_);
   for (auto& s : waiting_) s->out->finish("cancelled", 0);
   waiting_.clear();
+}
+
+// The steps queued ahead taken and dropped (their sequences are ending): the backend takes
+// other work only with nothing queued.
+void Scheduler::drain_ahead() {
+  ahead_.clear();
+  std::vector<int32_t> ids(size_t(opts_.max_batch));
+  try {
+    while (backend_.queued_steps() > 0) backend_.take_sample(ids.data());
+  } catch (const std::exception&) {  // the backend failed again: its queue is what it is
+  }
 }
 
 void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running) {
@@ -211,17 +224,111 @@ void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running)
   observer_->on_gauges(int64_t(running.size()), kv, reserved_bytes_);
 }
 
+// Hands each sequence its token: streams the text, applies stop ids, stop strings and the length
+// limit. A finished sequence gets next = -1 and a Finished entry; its step's tokens count in
+// n_generated.
+void Scheduler::deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t>& ids, std::vector<Finished>& finished,
+                        int& n_generated) {
+  const auto now = Clock::now();
+  const int ctx = cfg_.max_position_embeddings;
+  for (size_t r = 0; r < seqs.size(); ++r) {
+    Seq& s = *seqs[r];
+    const int32_t id = ids[r];
+    if (s.generated == 0) observer_->on_first_token(seconds(now - s.arrival));
+    else observer_->on_next_token(seconds(now - s.last_token));
+    s.last_token = now;
+    std::string reason;
+    if (std::find(s.req.stop_ids.begin(), s.req.stop_ids.end(), id) != s.req.stop_ids.end()) {
+      reason = "stop";
+    } else {
+      ++s.generated;
+      ++n_generated;
+      bool stopped = false;
+      std::string text = s.decoder ? s.stops.push(s.decoder->push(id), &stopped) : std::string();
+      if (stopped) {
+        reason = "stop";
+      } else if (s.generated >= s.req.max_tokens || int(s.req.prompt.size()) + s.generated >= ctx) {
+        if (s.decoder) {
+          text += s.stops.push(s.decoder->flush(), &stopped);
+          if (!stopped) text += s.stops.flush();
+        }
+        reason = stopped ? "stop" : "length";
+      }
+      s.out->push(text, id, s.generated);
+      s.next = id;
+    }
+    if (!reason.empty()) {
+      finished.push_back({s.out, reason, s.generated});
+      observer_->on_finished(seconds(now - s.arrival));
+      s.next = -1;  // marks it for retirement
+    }
+  }
+}
+
+// Retires the finished decoding sequences (next = -1), then tells their callers: only once their KV
+// is freed and the gauges say so.
+void Scheduler::retire_finished(std::vector<std::unique_ptr<Seq>>& running, const std::vector<Finished>& finished) {
+  for (size_t i = running.size(); i-- > 0;)
+    if (running[i]->decoding() && running[i]->next < 0) {
+      reserved_bytes_ -= running[i]->reserved;
+      running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now
+    }
+  publish_gauges(running);
+  for (const auto& f : finished) f.out->finish(f.reason, f.generated);
+}
+
+std::vector<Backend::SampleRow> Scheduler::draw_rows(const std::vector<Seq*>& seqs) {
+  std::vector<Backend::SampleRow> rows;
+  for (Seq* s : seqs) rows.push_back({s->sampler.params(), s->sampler.draw()});
+  return rows;
+}
+
+// The step queued ahead (overlap): while the batch stays the same -- the same decoding sequences in
+// the same order, none cancelled, nothing admitted -- the next step is queued (its tokens the
+// queued step's, on the device) before this one's ids are taken, so the device does not wait for
+// the host's part: detokenizing, stop strings, streaming. A sequence that finishes here has its
+// place in the next queued step too: that step is taken at once, the others' tokens delivered and
+// the finished one's discarded (its cache is freed with it). Otherwise the queued step is taken
+// and the next call plans afresh.
+void Scheduler::step_ahead(std::vector<std::unique_ptr<Seq>>& running) {
+  bool chain = running.size() == ahead_.size();
+  for (size_t i = 0; chain && i < running.size(); ++i)
+    chain = running[i].get() == ahead_[i] && running[i]->decoding() && !running[i]->out->cancelled();
+  if (chain) {
+    std::vector<Backend::SeqStep> steps;
+    for (Seq* s : ahead_) steps.push_back({{}, s->cache.get(), 1});
+    backend_.queue_sample(steps, draw_rows(ahead_));
+  }
+  std::vector<Finished> finished;
+  int n_generated = 0;
+  std::vector<int32_t> ids(ahead_.size());
+  backend_.take_sample(ids.data());
+  deliver(ahead_, ids, finished, n_generated);
+  observer_->on_step(0, n_generated);
+  if (chain && !finished.empty()) {
+    backend_.take_sample(ids.data());
+    std::vector<Seq*> live;
+    std::vector<int32_t> live_ids;
+    for (size_t r = 0; r < ahead_.size(); ++r)
+      if (ahead_[r]->next >= 0) live.push_back(ahead_[r]), live_ids.push_back(ids[r]);
+    n_generated = 0;
+    deliver(live, live_ids, finished, n_generated);
+    observer_->on_step(0, n_generated);
+    chain = false;
+  }
+  if (!chain) ahead_.clear();
+  retire_finished(running, finished);
+}
+
 void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
-  auto retire = [&](size_t i) {
-    reserved_bytes_ -= running[i]->reserved;
-    running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now
-  };
+  if (!ahead_.empty()) return step_ahead(running);
   for (size_t i = running.size(); i-- > 0;)
     if (running[i]->out->cancelled()) {
       auto out = running[i]->out;
       const int generated = running[i]->generated;
       observer_->on_cancelled();
-      retire(i);
+      reserved_bytes_ -= running[i]->reserved;
+      running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now
       publish_gauges(running);
       out->finish("cancelled", generated);
     }
@@ -250,58 +357,19 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   }
   // Logits rows come in step order; with_logits follows the same order. Each row's uniform is
   // drawn here, so the backend may sample on its device and return only the ids.
-  std::vector<Backend::SampleRow> rows;
-  for (Seq* s : with_logits) rows.push_back({s->sampler.params(), s->sampler.draw()});
+  const std::vector<Backend::SampleRow> rows = draw_rows(with_logits);
+  if (n_prompt == 0 && opts_.overlap && backend_.overlaps_steps()) {  // every sequence decoding: step_ahead next
+    backend_.queue_sample(steps, rows);
+    ahead_ = with_logits;
+    return;
+  }
   std::vector<int32_t> ids(with_logits.size());
   backend_.forward_sample(steps, rows, ids.data());
-
-  const auto now = Clock::now();
-  const int ctx = cfg_.max_position_embeddings;
-  struct Finished {
-    std::shared_ptr<SeqStream> out;
-    std::string reason;
-    int generated;
-  };
   std::vector<Finished> finished;
   int n_generated = 0;
-  for (size_t r = 0; r < with_logits.size(); ++r) {
-    Seq& s = *with_logits[r];
-    const int32_t id = ids[r];
-    if (s.generated == 0) observer_->on_first_token(seconds(now - s.arrival));
-    else observer_->on_next_token(seconds(now - s.last_token));
-    s.last_token = now;
-    std::string reason;
-    if (std::find(s.req.stop_ids.begin(), s.req.stop_ids.end(), id) != s.req.stop_ids.end()) {
-      reason = "stop";
-    } else {
-      ++s.generated;
-      ++n_generated;
-      bool stopped = false;
-      std::string text = s.decoder ? s.stops.push(s.decoder->push(id), &stopped) : std::string();
-      if (stopped) {
-        reason = "stop";
-      } else if (s.generated >= s.req.max_tokens || int(s.req.prompt.size()) + s.generated >= ctx) {
-        if (s.decoder) {
-          text += s.stops.push(s.decoder->flush(), &stopped);
-          if (!stopped) text += s.stops.flush();
-        }
-        reason = stopped ? "stop" : "length";
-      }
-      s.out->push(text, id, s.generated);
-      s.next = id;
-    }
-    if (!reason.empty()) {
-      finished.push_back({s.out, reason, s.generated});
-      observer_->on_finished(seconds(now - s.arrival));
-      s.next = -1;  // marks it for retirement below
-    }
-  }
+  deliver(with_logits, ids, finished, n_generated);
   observer_->on_step(n_prompt, n_generated);
-  for (size_t i = running.size(); i-- > 0;)
-    if (running[i]->decoding() && running[i]->next < 0) retire(i);
-  // Callers hear that they are done only once their KV is freed and the gauges say so.
-  publish_gauges(running);
-  for (auto& f : finished) f.out->finish(f.reason, f.generated);
+  retire_finished(running, finished);
 }
 
 }  // namespace tiermoe

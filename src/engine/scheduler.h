@@ -34,6 +34,10 @@ struct SchedulerOptions {
   // KV memory admitted sequences may reserve; the scheduler lowers it to the backend's own KV
   // memory (Backend::kv_capacity_bytes) where that is smaller (options() shows the result).
   size_t kv_budget_bytes = std::numeric_limits<size_t>::max();
+  // Decode steps queued ahead where the backend runs them ahead of the host (Backend::
+  // overlaps_steps): while the batch stays the same, the next step runs on the device while the
+  // host streams this one's tokens. false: one step at a time.
+  bool overlap = true;
 };
 
 struct SeqRequest {
@@ -118,7 +122,18 @@ class Scheduler {
  private:
   struct Seq;
   void loop();
+  struct Finished {
+    std::shared_ptr<SeqStream> out;
+    std::string reason;
+    int generated;
+  };
   void step(std::vector<std::unique_ptr<Seq>>& running);
+  void step_ahead(std::vector<std::unique_ptr<Seq>>& running);
+  void deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t>& ids, std::vector<Finished>& finished,
+               int& n_generated);
+  void retire_finished(std::vector<std::unique_ptr<Seq>>& running, const std::vector<Finished>& finished);
+  std::vector<Backend::SampleRow> draw_rows(const std::vector<Seq*>& seqs);
+  void drain_ahead();
   void publish_gauges(const std::vector<std::unique_ptr<Seq>>& running);
 
   Backend& backend_;
@@ -134,6 +149,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Seq>> waiting_;
   bool stop_ = false;
   size_t reserved_bytes_ = 0;  // owned by the scheduler thread
+  std::vector<Seq*> ahead_;    // the sequences of the step queued ahead (overlap), in order; owned by the thread
   std::thread thread_;
 };
 

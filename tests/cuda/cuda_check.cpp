@@ -42,6 +42,7 @@
 #include "cuda/kernels.h"
 #include "cuda/sampling.h"
 #include "engine/sampler.h"
+#include "queued_decode.h"
 #include "test_util.h"
 
 using namespace tiermoe;
@@ -1607,6 +1608,21 @@ void check_model_sampling(const std::string& name, const ModelWeights& w, Backen
               name.c_str(), what, agree_cpu, steps + 1, parted ? " (then parted: BF16-level logits differences)" : "");
 }
 
+// Overlapped decode (queue_sample: each step launched before the last one's ids reach the host,
+// its token read on the device) against forward_sample, one sequence and three, on the same GPU:
+// the same tokens, bit for bit the same logits underneath; then a stop's extra step truncated.
+void check_queued_decode(const std::string& name, Backend& gpu, const std::vector<int32_t>& prompt, int steps,
+                         const SamplingParams& p) {
+  const char* what = p.temperature == 0.f ? "greedy" : "sampled";
+  std::vector<int32_t> other(prompt.rbegin(), prompt.rend()), short_one(prompt.begin(), prompt.begin() + 3);
+  for (const auto& prompts : {std::vector<std::vector<int32_t>>{prompt}, {prompt, other, short_one}}) {
+    const int differ = test::queued_decode_mismatches(gpu, prompts, steps, 4, p);
+    report(fmt("%s %s decode B=%zu, %d overlapped steps then 4 after a stop: tokens unlike forward_sample's",
+               name.c_str(), what, prompts.size(), steps),
+           differ < 0 ? 1e9 : differ, 0, differ < 0 ? "cache lengths wrong" : "");
+  }
+}
+
 // The paged cache's pool at its limit, through the backend: a pool of 4 pages; sequence A takes 3,
 // so B's 100-token prompt (2 pages) must be refused with an error naming the pool, B left as it
 // was; once A is truncated to one page, B's prompt runs, and its logits must equal those of the
@@ -1696,7 +1712,9 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   check_model_batch(name + " [T 2..8 on cuBLAS]", *w, *cpu, *gpu, prompt, 8);
   unsetenv("TIERMOE_CUDA_SMALL_T_BLAS");
   if (variant) return;
+  check_queued_decode(name, *gpu, prompt, steps, {0.f, 0, 1.f, 0});
   if (name == "tinymix-code") {
+    check_queued_decode(name, *gpu, prompt, steps, {0.8f, 0, 0.95f, 7});
     check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
     check_model_sampling(name, *w, *cpu, *gpu, prompt, steps, {0.f, 0, 1.f, 7});
   }
@@ -1734,8 +1752,11 @@ int bench_main(int argc, char** argv) {
     b = make_cuda_backend(*w);
   }
   const double bw = cuda_copy_bandwidth();
-  nlohmann::json out = batch > 1 ? bench_batch(*b, cfg, batch, ctx, gen, sampling)
-                                 : bench_stream(*b, cfg, ctx, gen, repeats, sampling);
+  // TIERMOE_BENCH_OVERLAP=0: --no-overlap (an env switch, so gpu_check.sh envs can A/B it).
+  const char* overlap_env = std::getenv("TIERMOE_BENCH_OVERLAP");
+  const bool overlap = !(overlap_env && overlap_env[0] == '0');
+  nlohmann::json out = batch > 1 ? bench_batch(*b, cfg, batch, ctx, gen, sampling, overlap)
+                                 : bench_stream(*b, cfg, ctx, gen, repeats, sampling, overlap);
   out["device"] = cuda_device_name();
   out["kv"] = "bf16";
   out["load_format"] = config.empty() ? "auto" : "dummy";
