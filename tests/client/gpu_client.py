@@ -4,7 +4,7 @@ the OpenAI protocol, greedy comparisons, and a transcription of scripts/loadgen.
 prompts, request body and metric definitions). Standard library only.
 
   gpu_client.py smoke URL | ids URL 1,2,3 N CONCURRENT | mixed URL 1,2,3 N | loadgen URL 1,8,32"""
-import http.client, json, sys, threading, time, urllib.parse
+import http.client, json, os, sys, threading, time, urllib.parse
 
 def conn(url):
     u = urllib.parse.urlparse(url)
@@ -178,7 +178,8 @@ def loadgen(url, levels, prompt_tokens=128, max_tokens=64):
     rows = []
     for c in levels:
         lg_one(url, model, -1, prompt_tokens, max_tokens)  # warm-up
-        rows.append(lg_level(url, model, c, prompt_tokens, max_tokens))
+        # LOADGEN_PER_LEVEL=N: N requests per level instead of max(8, 4 c) (longer, steadier runs).
+        rows.append(lg_level(url, model, c, prompt_tokens, max_tokens, int(os.environ.get("LOADGEN_PER_LEVEL", "0"))))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     lines = ["| concurrency | requests | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) |",
              "|---:|---:|---:|---:|---|---|---:|"]
