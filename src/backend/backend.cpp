@@ -1,7 +1,6 @@
 #include "backend/backend.h"
 
 #include <algorithm>
-#include <string>
 
 #include "core/check.h"
 
@@ -22,7 +21,7 @@ void Backend::forward_sample(std::span<const SeqStep> steps, std::span<const Sam
     tokens[r] = sample_token(std::span<const float>(logits.data() + r * V, V), rows[r].params, rows[r].u);
 }
 
-bool Backend::check_queue(std::span<const SeqStep> steps, std::span<const SampleRow> rows) const {
+void Backend::check_queue(std::span<const SeqStep> steps, std::span<const SampleRow> rows) const {
   check_sample_rows(steps, rows);
   CHECK_MSG(int(queued_.size()) < kMaxQueued, "queue_sample: at most kMaxQueued steps queued; take_sample first");
   CHECK_MSG(!steps.empty(), "queue_sample: no steps");
@@ -36,21 +35,21 @@ bool Backend::check_queue(std::span<const SeqStep> steps, std::span<const Sample
     for (size_t i = 0; i < steps.size(); ++i)
       CHECK_MSG(last_queued_.caches[i] == steps[i].cache, "queue_sample: a chained step needs the last queued step's caches, in order");
   }
-  return chained;
 }
 
-void Backend::check_nothing_queued(const char* what) const {
-  if (!queued_.empty()) check_failed("queued_.empty()", __FILE__, __LINE__, (std::string(what) + ": take_sample every queued step first").c_str());
+std::vector<Backend::SeqStep> Backend::with_host_tokens(std::span<const SeqStep> steps) const {
+  std::vector<SeqStep> out(steps.begin(), steps.end());
+  if (!out.empty() && out[0].tokens.empty() && !last_queued_.ids.empty())
+    for (size_t i = 0; i < out.size(); ++i) out[i].tokens = std::span(&last_queued_.ids[i], 1);
+  return out;
 }
 
 void Backend::queue_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows) {
-  const bool chained = check_queue(steps, rows);
-  std::vector<SeqStep> resolved(steps.begin(), steps.end());
-  for (size_t i = 0; chained && i < resolved.size(); ++i) resolved[i].tokens = std::span(&last_queued_.ids[i], 1);
+  check_queue(steps, rows);
   Queued q;
   for (const SeqStep& s : steps) q.caches.push_back(s.cache);
   q.ids.resize(steps.size());
-  forward_sample(resolved, rows, q.ids.data());
+  forward_sample(with_host_tokens(steps), rows, q.ids.data());
   last_queued_ = q;
   queued_.push_back(std::move(q));
 }

@@ -61,8 +61,9 @@ class Backend {
   // tokens is chained: its token is the id its cache's previous queued step sampled, which may
   // not have reached the host yet (the previous queue_sample must have had the same caches in
   // the same order). take_sample waits for the oldest queued step and writes its ids. At most
-  // kMaxQueued steps are queued; take every one before forward_batch, forward_sample, or a
-  // cache's truncate(). A step queued past a sequence's end is taken and its row truncated.
+  // kMaxQueued steps are queued. forward_batch and forward_sample first wait for the queued
+  // steps (their ids stay for take_sample); take a sequence's steps before its cache's
+  // truncate(). A step queued past a sequence's end is taken and its row truncated.
   // Default: queue_sample runs forward_sample at once.
   static constexpr int kMaxQueued = 2;
   // Whether queued steps really run ahead of the host (else queue_sample is forward_sample).
@@ -81,9 +82,11 @@ class Backend {
   // forward_sample's contract: one SampleRow per logits row (the steps' n_logits summed).
   static void check_sample_rows(std::span<const SeqStep> steps, std::span<const SampleRow> rows);
   // queue_sample's contract: decode steps only, at most kMaxQueued, a chain that matches the last
-  // queued step's caches. Returns whether the steps are chained.
-  bool check_queue(std::span<const SeqStep> steps, std::span<const SampleRow> rows) const;
-  void check_nothing_queued(const char* what) const;
+  // queued step's caches.
+  void check_queue(std::span<const SeqStep> steps, std::span<const SampleRow> rows) const;
+  // The steps with each chained step's token taken from the last queued step's ids, where those
+  // are on the host (else left empty: on the device).
+  std::vector<SeqStep> with_host_tokens(std::span<const SeqStep> steps) const;
 
   // A queued step: its caches in order (for chaining) and, once known on the host, its ids;
   // `slot` is the backend's own (CUDA: which pinned buffers hold its inputs and ids).

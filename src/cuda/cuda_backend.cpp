@@ -158,7 +158,7 @@ class CudaBackend final : public Backend {
   int kv_page_tokens() const override { return cuda::kKvPageRows; }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
-    check_nothing_queued("forward_batch");
+    finish_queued();  // their pinned buffers are free once they are done
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, logits,
                       [&](const std::vector<SeqStep>& pass, float* out) { forward_pass(pass, out); });
   }
@@ -167,18 +167,14 @@ class CudaBackend final : public Backend {
   // instead of [B, V] logits. TIERMOE_CUDA_SAMPLE=0 (read at every call, for A/B): the host
   // samples the copied-back logits (Backend's default).
   void forward_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows, int32_t* tokens) override {
-    check_nothing_queued("forward_sample");
+    finish_queued();  // their pinned buffers are free once they are done
     if (!device_sampling()) return Backend::forward_sample(steps, rows, tokens);
     check_sample_rows(steps, rows);
     size_t done = 0;
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, nullptr, [&](const std::vector<SeqStep>& pass, float*) {
       int n = 0;
       for (const SeqStep& s : pass) n += s.n_logits;
-      const std::span<const SampleRow> pass_rows = rows.subspan(done, size_t(n));
-      for (int r = 0; r < n; ++r) {
-        const SampleRow& row = pass_rows[size_t(r)];
-        h_sample_rows_[r] = {row.params.temperature, row.params.top_k, row.params.top_p, row.u};
-      }
+      put_sample_rows(rows.subspan(done, size_t(n)), 0);
       timeline_.start(stream_, pass.size() == 1 && pass[0].tokens.size() == 1 && n == 1);
       launch_pass(pass, n);
       sample_pass(n, tokens + done);
@@ -191,26 +187,20 @@ class CudaBackend final : public Backend {
   // ids read by its embed from the last step's set. Where the device cannot sample (host
   // sampling), the steps already queued are finished and this one runs as forward_sample.
   void queue_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows) override {
-    const bool chained = check_queue(steps, rows);
+    check_queue(steps, rows);
     Queued q;
     for (const SeqStep& s : steps) q.caches.push_back(s.cache);
     if (!device_sampling() || int(steps.size()) > io_rows_) {
       finish_queued();
-      std::vector<SeqStep> resolved(steps.begin(), steps.end());
-      for (size_t i = 0; chained && i < resolved.size(); ++i) resolved[i].tokens = std::span(&last_queued_.ids[i], 1);
       q.ids.resize(steps.size());
-      forward_sample(resolved, rows, q.ids.data());
+      forward_sample(with_host_tokens(steps), rows, q.ids.data());
     } else {
       // The set no queued step holds (at most one is queued here): 0 when none is, so that every
       // chain starts on the same graphs.
       q.slot = queued_.empty() || queued_.back().slot != 0 ? 0 : 1;
-      const bool on_device = chained && last_queued_.ids.empty();  // else the last ids are on the host
-      std::vector<SeqStep> resolved(steps.begin(), steps.end());
-      for (size_t i = 0; chained && !on_device && i < resolved.size(); ++i)
-        resolved[i].tokens = std::span(&last_queued_.ids[i], 1);
-      cuda::SampleRowDevice* h_rows = h_sample_rows_ + io(q.slot);
-      for (size_t r = 0; r < rows.size(); ++r)
-        h_rows[r] = {rows[r].params.temperature, rows[r].params.top_k, rows[r].params.top_p, rows[r].u};
+      const std::vector<SeqStep> resolved = with_host_tokens(steps);
+      const bool on_device = resolved[0].tokens.empty();  // chained to a step whose ids are not on the host yet
+      put_sample_rows(rows, q.slot);
       struct QueuedPass {  // the pass's buffers, back to the synchronous ones however it ends
         CudaBackend& b;
         ~QueuedPass() { b.io_slot_ = 0, b.chain_slot_ = -1, b.queued_pass_ = false; }
@@ -238,6 +228,10 @@ class CudaBackend final : public Backend {
   static bool device_sampling() {
     const char* e = std::getenv("TIERMOE_CUDA_SAMPLE");
     return !(e && e[0] == '0');
+  }
+  void put_sample_rows(std::span<const SampleRow> rows, int slot) {
+    cuda::SampleRowDevice* h = h_sample_rows_ + io(slot);
+    for (size_t r = 0; r < rows.size(); ++r) h[r] = {rows[r].params.temperature, rows[r].params.top_k, rows[r].params.top_p, rows[r].u};
   }
   // A queued step's ids to the host, once its device work is done.
   void finish(Queued& q) {

@@ -1621,6 +1621,12 @@ void check_queued_decode(const std::string& name, Backend& gpu, const std::vecto
                name.c_str(), what, prompts.size(), steps),
            differ < 0 ? 1e9 : differ, 0, differ < 0 ? "cache lengths wrong" : "");
   }
+  // With host sampling the queue runs each step at once (chained tokens from the host).
+  setenv("TIERMOE_CUDA_SAMPLE", "0", 1);
+  const int differ = test::queued_decode_mismatches(gpu, {prompt, other}, 8, 2, p);
+  unsetenv("TIERMOE_CUDA_SAMPLE");
+  report(fmt("%s %s decode B=2, 8 queued steps with host sampling: tokens unlike forward_sample's", name.c_str(), what),
+         differ < 0 ? 1e9 : differ, 0, differ < 0 ? "cache lengths wrong" : "");
 }
 
 // The paged cache's pool at its limit, through the backend: a pool of 4 pages; sequence A takes 3,
