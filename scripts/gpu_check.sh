@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|detail|batch|moe|ab|envs|sanitize]   (quick: no large
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|timeline|detail|batch|moe|ab|envs|sanitize]   (quick: no large
 #   published configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
-#   initcheck; profile: per-kernel times of one decode step under ncu; detail: ncu's throughput,
+#   initcheck; profile: per-kernel times of one decode step under ncu; timeline: the captured steps' kernels
+#   under nsys, what each adds to a step once overlapped (scripts/graph_timeline.py); detail: ncu's throughput,
 #   occupancy and warp-stall sections for one kernel of that step (DETAIL_KERNEL); batch: the kernel table,
 #   then B = 1, 8, 32, 64 under the A/B variants in one process per config (batchtable), then the
 #   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
@@ -27,6 +28,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 MODE=${1:-full}
+if [ "$MODE" = timeline-libs ]; then  # here, not on the GPU machine: the libraries the timeline's importer lacks there
+  mkdir -p build-timeline/lib && cp -L /usr/lib/x86_64-linux-gnu/libdw.so.1 /usr/lib/x86_64-linux-gnu/libelf.so.1 build-timeline/lib/
+  exit 0
+fi
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv | tee "$OUT/gpu.txt"
 log unpack; scripts/unpack_model.sh
@@ -75,7 +80,7 @@ for line in open(sys.argv[1]):
 PY
   log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
-elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|detail)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone
+elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
   log check
   timeout 150 $C 2>&1 | tee "$OUT/check.txt"
 fi
@@ -96,6 +101,27 @@ if [ "$MODE" = detail ]; then  # ncu sections of one kernel in one eager decode 
     --section WarpStateStats --section SchedulerStats --log-file "$OUT/detail.txt" \
     $C profile --config configs/$1 --ctx $2 --batch $3 > /dev/null
   grep -vE "^==PROF==|^ *-+ *$|^$" "$OUT/detail.txt" | head -${DETAIL_LINES:-120}
+  exit 0
+fi
+if [ "$MODE" = timeline ]; then  # nsys: the captured decode steps' kernels as they overlap in the graph
+  # TIMELINE_ROWS: "config ctx" rows separated by ';'. nsys and its importer come with Nsight Compute
+  # on the lent H200 (/opt/nvidia/nsight-compute/*/host); the importer needs libdw.so.1, which that
+  # machine lacks: `scripts/gpu_check.sh timeline-libs` here copies Debian's (libdw1, libelf1) into
+  # build-timeline/lib, to be carried.
+  H=$(ls -d /opt/nvidia/nsight-compute/*/host 2>/dev/null | tail -1)
+  NSYS=$(command -v nsys || echo "$H/target-linux-x64/nsys") IMP=$(ls "$H"/*/QdstrmImporter 2>/dev/null | head -1)
+  IFS=';' read -ra trows <<< "${TIMELINE_ROWS:-olmoe-1b-7b-v8192.json 16;qwen3-30b-a3b-L16-v8192.json 4096}"
+  for tr in "${trows[@]}"; do
+    set -- $tr; n=$OUT/timeline_${1%.json}_$2; log "timeline $1 ctx=$2"
+    [ -n "${TIMELINE_REUSE:-}" ] && [ -f "$n.qdstrm" ] ||  # TIMELINE_REUSE=1: import a trace left by an earlier call
+      timeout 200 "$NSYS" profile --cuda-graph-trace=node -t cuda -o "$n" --force-overwrite true \
+      $C bench --config "configs/$1" --ctx "$2" --gen 24 --repeats 1 > "$n.log" 2>&1
+    [ -f "$n.nsys-rep" ] || LD_LIBRARY_PATH=$PWD/build-timeline/lib:$(dirname "$IMP") "$IMP" -i "$n.qdstrm" > "$n.import.log" 2>&1 ||
+      { tail -3 "$n.import.log"; continue; }
+    "$NSYS" export --type sqlite -o "$n.sqlite" --force-overwrite true "$n.nsys-rep" > /dev/null 2>&1
+    python3 scripts/graph_timeline.py "$n.sqlite" "$1 ctx $2" | tee -a "$OUT/timeline.txt"
+    rm -f "$n.qdstrm" "$n.nsys-rep"
+  done
   exit 0
 fi
 if [ "$MODE" = profile ]; then  # ncu: every kernel of one eager decode step, summed per kernel name
