@@ -63,7 +63,8 @@ class Backend {
   // the same order). take_sample waits for the oldest queued step and writes its ids. At most
   // kMaxQueued steps are queued. forward_batch and forward_sample first wait for the queued
   // steps (their ids stay for take_sample); take a sequence's steps before its cache's
-  // truncate(). A step queued past a sequence's end is taken and its row truncated.
+  // truncate(). A step queued past a sequence's end is taken, and its row truncated (or its
+  // cache dropped).
   // Default: queue_sample runs forward_sample at once.
   static constexpr int kMaxQueued = 2;
   // Whether queued steps really run ahead of the host (else queue_sample is forward_sample).
