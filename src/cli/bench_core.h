@@ -51,14 +51,14 @@ inline nlohmann::json bench_sampling_json(const SamplingParams& p) {
 // Decode steps, timed: warmup + gen_tokens steps of `steps` (one token each), each step's token
 // the last one's; ms[i] is the host-clock time from step warmup + i - 1's ids reaching the host
 // (from the call, for the first step) to step warmup + i's. next: the first step's tokens in, the
-// last step's out. Overlapped (the default, as a server would run): step i + 1 is queued before
-// step i's ids are taken, so the device never waits for the host (Backend::queue_sample); else
-// one forward_sample per step.
+// last step's out. Overlapped (as a server would run; only where Backend::overlaps_steps, else
+// the queue would only move work between laps): step i + 1 is queued before step i's ids are
+// taken, so the device never waits for the host (Backend::queue_sample); else one forward_sample
+// per step.
 inline std::vector<double> bench_decode(Backend& backend, std::span<const Backend::SeqStep> steps,
                                         const std::function<std::vector<Backend::SampleRow>()>& draw_rows,
                                         std::vector<int32_t>& next, int gen_tokens, bool overlap, int warmup = 0) {
   using clock = std::chrono::steady_clock;
-  overlap = overlap && backend.overlaps_steps();  // else the queue would only move work between laps
   std::vector<double> ms;
   std::vector<int32_t> token = next;
   std::vector<Backend::SeqStep> fed(steps.begin(), steps.end());
@@ -91,6 +91,7 @@ inline std::vector<double> bench_decode(Backend& backend, std::span<const Backen
 inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int prompt_tokens, int gen_tokens,
                                    int repeats, const SamplingParams& sampling = {0.f, 0, 1.f, 0},
                                    bool overlap = true) {
+  overlap = overlap && backend.overlaps_steps();
   std::mt19937 rng(1234);
   std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
   for (auto& id : prompt) id = int32_t(rng() % uint32_t(cfg.vocab_size));
@@ -117,7 +118,7 @@ inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int
   return {{"backend", backend.name()}, {"batch", 1}, {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens},
           {"repeats", repeats}, {"ttft_ms", ttft}, {"prefill_tokens_per_s", prompt_tokens / ttft * 1000.0},
           {"ms_per_token_p50", p50}, {"ms_per_token_p99", p99}, {"tokens_per_s", 1000.0 / p50},
-          {"sampling", bench_sampling_json(sampling)}, {"overlapped_steps", overlap && backend.overlaps_steps()}};
+          {"sampling", bench_sampling_json(sampling)}, {"overlapped_steps", overlap}};
 }
 
 // B streams decoding together (continuous batching at a steady batch): each gets its own random
@@ -127,6 +128,7 @@ inline nlohmann::json bench_stream(Backend& backend, const ModelConfig& cfg, int
 inline nlohmann::json bench_batch(Backend& backend, const ModelConfig& cfg, int batch, int prompt_tokens,
                                   int gen_tokens, const SamplingParams& sampling = {0.f, 0, 1.f, 0},
                                   bool overlap = true) {
+  overlap = overlap && backend.overlaps_steps();
   std::mt19937 rng(1234);
   using clock = std::chrono::steady_clock;
   auto ms_since = [](clock::time_point t0) { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); };
@@ -154,13 +156,12 @@ inline nlohmann::json bench_batch(Backend& backend, const ModelConfig& cfg, int 
   // Warm-up steps first: a batch step's graph is captured the second time its key comes, and
   // overlapped steps use three keys (the first step's inputs, then two alternating sets).
   auto all_rows = [&] { return draw_rows(0, size_t(batch)); };
-  const bool queued = overlap && backend.overlaps_steps();
-  const std::vector<double> step_ms = bench_decode(backend, steps, all_rows, next, gen_tokens, queued, queued ? 6 : 2);
+  const std::vector<double> step_ms = bench_decode(backend, steps, all_rows, next, gen_tokens, overlap, overlap ? 6 : 2);
   const double p50 = bench_percentile(step_ms, 50), p99 = bench_percentile(step_ms, 99);
   return {{"backend", backend.name()}, {"batch", batch}, {"prompt_tokens", prompt_tokens}, {"gen_tokens", gen_tokens},
           {"repeats", 1}, {"ttft_ms", bench_percentile(prefill_ms, 50)}, {"ms_per_token_p50", p50},
           {"ms_per_token_p99", p99}, {"tokens_per_s", batch * 1000.0 / p50}, {"sampling", bench_sampling_json(sampling)},
-          {"overlapped_steps", overlap && backend.overlaps_steps()}};
+          {"overlapped_steps", overlap}};
 }
 
 // Adds bytes_per_token, floor_ms and fraction_of_floor (floor / measured p50; 1 = at the floor).

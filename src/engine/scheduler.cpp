@@ -265,14 +265,16 @@ void Scheduler::deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t
   }
 }
 
+void Scheduler::retire(std::vector<std::unique_ptr<Seq>>& running, size_t i) {
+  reserved_bytes_ -= running[i]->reserved;
+  running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now
+}
+
 // Retires the finished decoding sequences (next = -1), then tells their callers: only once their KV
 // is freed and the gauges say so.
 void Scheduler::retire_finished(std::vector<std::unique_ptr<Seq>>& running, const std::vector<Finished>& finished) {
   for (size_t i = running.size(); i-- > 0;)
-    if (running[i]->decoding() && running[i]->next < 0) {
-      reserved_bytes_ -= running[i]->reserved;
-      running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now
-    }
+    if (running[i]->decoding() && running[i]->next < 0) retire(running, i);
   publish_gauges(running);
   for (const auto& f : finished) f.out->finish(f.reason, f.generated);
 }
@@ -327,8 +329,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       auto out = running[i]->out;
       const int generated = running[i]->generated;
       observer_->on_cancelled();
-      reserved_bytes_ -= running[i]->reserved;
-      running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now
+      retire(running, i);
       publish_gauges(running);
       out->finish("cancelled", generated);
     }

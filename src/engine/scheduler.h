@@ -131,6 +131,7 @@ class Scheduler {
   void step_ahead(std::vector<std::unique_ptr<Seq>>& running);
   void deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t>& ids, std::vector<Finished>& finished,
                int& n_generated);
+  void retire(std::vector<std::unique_ptr<Seq>>& running, size_t i);
   void retire_finished(std::vector<std::unique_ptr<Seq>>& running, const std::vector<Finished>& finished);
   std::vector<Backend::SampleRow> draw_rows(const std::vector<Seq*>& seqs);
   void drain_ahead();
