@@ -120,6 +120,7 @@ class CudaBackend final : public Backend {
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_STREAM")) cuda::set_gemv_stream(e[0] != '0');
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_PIPE")) cuda::set_gemv_pipe(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_GATE_UP_STREAM")) cuda::set_moe_gate_up_stream(std::atoi(e));
+    if (const char* e = std::getenv("TIERMOE_CUDA_WARP_TOPK")) cuda::set_moe_warp_topk(e[0] != '0');
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC")) opts_.tc_decode_keys = std::max(0, std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_DECODE_TC_MIN_G")) opts_.tc_decode_min_group = std::max(1, std::atoi(e));
     int n_dev = 0;

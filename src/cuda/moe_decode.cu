@@ -19,6 +19,9 @@ constexpr int kRouteMaxCluster = 16;  // moe_route's blocks (16: a non-portable 
 // moe_gate_up_stream_kernel's blocks per SM (0: moe_gate_up_routed_kernel for every T), for A/B timing
 // (set_moe_gate_up_stream): its launch bound, the register budget's most, by default.
 int g_gate_up_stream = kStreamBlocksPerSm;
+// The decode MoE's top-k by select_topk_token (past 64 experts by one warp) or always by the block
+// (select_topk; TIERMOE_CUDA_WARP_TOPK=0, for A/B timing): the same ranking.
+bool g_warp_topk = true;
 
 __global__ void __launch_bounds__(kWarps * 32) route_topk_kernel(int32_t* ids, float* weights, const float* logits,
                                                                  int E, int K, bool renormalize) {
@@ -73,10 +76,10 @@ __device__ __forceinline__ void gate_up_dots(const bf16* __restrict__ wg, const 
 }
 
 // The routing at the head of moe_gate_up_routed's blocks, all threads of the block: sid[k] = token
-// t's experts, selected from the logit sums acc[t] (select_topk); st.x = h_t * nw. Returns inv =
-// 1 / rms(h_t). Only the selection stands between the wait and the weight loads (the sum of squares
-// is gathered with the stage and summed after). `router_column` (a block with no rows): for k = 0
-// it computes the token's softmax weights (inv * acc) and writes them with the ids, beside the
+// t's experts, selected from the logit sums acc[t] (select_topk_token); st.x = h_t * nw. Returns
+// inv = 1 / rms(h_t). Only the selection stands between the wait and the weight loads (the sum of
+// squares is gathered with the stage and summed after). `router_column` (a block with no rows): for
+// k = 0 it computes the token's softmax weights (inv * acc) and writes them with the ids, beside the
 // other blocks' loads instead of after a block's rows.
 struct RouteShared {
   GemvStage st;  // h_t * nw, and the warps' shares of sum(h_t^2)
@@ -85,11 +88,12 @@ struct RouteShared {
 };
 __device__ float route_block(RouteShared& sh, int32_t* ids, float* weights, const float* __restrict__ h,
                              const float* __restrict__ nw, float eps, const long long* acc, int t, int k, int E,
-                             int K, int D, bool renormalize, bool router_column) {
+                             int K, int D, bool renormalize, bool router_column, bool warp_topk) {
   if (threadIdx.x < E) sh.lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
   stage_x_rows<1, true>(sh.st, h + size_t(t) * D, nw, 1, D);
   __syncthreads();
-  select_topk(sh.sid, sh.lg, E, K);
+  if (warp_topk) select_topk_token(sh.sid, sh.lg, E, K);
+  else select_topk(sh.sid, sh.lg, E, K);
   __syncthreads();
   float ss = 0.f;
   for (int w = 0; w < kWarps; ++w) ss += sh.st.red[w][0];
@@ -112,13 +116,13 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* 
                                                                          const float* __restrict__ nw, float eps,
                                                                          const long long* acc,
                                                                          const bf16* __restrict__ Wgu, int E, int K,
-                                                                         int F, int D, bool renormalize) {
+                                                                         int F, int D, bool renormalize, bool warp_topk) {
   __shared__ RouteShared sh;
   pdl_wait();
   pdl_launch_dependents();
   const int tk = blockIdx.y, t = tk / K, k = tk % K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool router_column = blockIdx.x == gridDim.x - 1;
-  const float inv = route_block(sh, ids, weights, h, nw, eps, acc, t, k, E, K, D, renormalize, router_column);
+  const float inv = route_block(sh, ids, weights, h, nw, eps, acc, t, k, E, K, D, renormalize, router_column, warp_topk);
   if (router_column) return;
   const int f = blockIdx.x * kWarps + warp;
   if (f < F) {
@@ -144,13 +148,13 @@ __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) moe_gate_up_s
                                                                             const float* __restrict__ nw, float eps,
                                                                             const long long* acc,
                                                                             const bf16* __restrict__ Wgu, int E, int K,
-                                                                            int F, int D, bool renormalize) {
+                                                                            int F, int D, bool renormalize, bool warp_topk) {
   constexpr int kUnit = 2048, kL = kUnit / 256;  // weights per unit, loads per lane per unit
   __shared__ RouteShared sh;
   pdl_wait();
   pdl_launch_dependents();
   const bool router_column = blockIdx.x == gridDim.x - 1;
-  const float inv = route_block(sh, ids, weights, h, nw, eps, acc, 0, 0, E, K, D, renormalize, router_column);
+  const float inv = route_block(sh, ids, weights, h, nw, eps, acc, 0, 0, E, K, D, renormalize, router_column, warp_topk);
   if (router_column) return;
   const int lane = threadIdx.x & 31, P = D / kUnit, stride = (gridDim.x - 1) * kWarps;
   const int w0 = blockIdx.x * kWarps + (threadIdx.x >> 5), pairs = K * F;
@@ -219,7 +223,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
                                                                   const bf16* __restrict__ Wd,
                                                                   const int32_t* __restrict__ ids,
                                                                   const float* __restrict__ weights, int K, int D,
-                                                                  int F, int R, const long long* acc, int E) {
+                                                                  int F, int R, const long long* acc, int E,
+                                                                  bool warp_topk) {
   __shared__ float part[kDownPart];  // [R, K]
   const int lane = threadIdx.x & 31, t = blockIdx.y, d0 = blockIdx.x * R, jobs = K * (R / NR);
   // The first round of the warp's first job is loaded BEFORE pdl_wait(): ids come from moe_route,
@@ -232,7 +237,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
   if (acc) {
     if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
     __syncthreads();
-    select_topk(sid, lg, E, K);
+    if (warp_topk) select_topk_token(sid, lg, E, K);
+    else select_topk(sid, lg, E, K);
     __syncthreads();
   }
   auto job_rows = [&](int j) {
@@ -359,12 +365,13 @@ cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const f
   if (T == 0) return cudaSuccess;
   if (T == 1 && D % 2048 == 0 && g_gate_up_stream > 0)
     return launch(moe_gate_up_stream_kernel, g_gate_up_stream * sm_count() + 1, kWarps * 32, 0, s, act, ids, weights,
-                  h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
+                  h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize, g_warp_topk);
   return launch(moe_gate_up_routed_kernel, dim3((F + kWarps - 1) / kWarps + 1, T * K), kWarps * 32, 0, s, act, ids,
-                weights, h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize);
+                weights, h, norm_w, eps, acc, Wgu, E, K, F, D, renormalize, g_warp_topk);
 }
 
 void set_moe_gate_up_stream(int blocks_per_sm) { g_gate_up_stream = std::clamp(blocks_per_sm, 0, kStreamBlocksPerSm); }
+void set_moe_warp_topk(bool on) { g_warp_topk = on; }
 
 namespace {
 // moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per
@@ -380,7 +387,7 @@ namespace {
 // The pipelined NR 2 lost to the pipelined NR 4 on every shape measured, so it is not built.
 // TIERMOE_CUDA_DOWN=1 / 2 pins NR 2 / 4, 3 the pipelined NR 4 (A/B; set_moe_down_variant).
 using DownKernel = void (*)(float*, const float*, const bf16*, const int32_t*, const float*, int, int, int, int,
-                           const long long*, int);
+                           const long long*, int, bool);
 constexpr DownKernel kDown2 = moe_down_kernel<2, 4, 4, false>, kDown4 = moe_down_kernel<4, 2, 4, false>;
 constexpr DownKernel kDownPipe4 = moe_down_kernel<4, 2, kStreamBlocksPerSm, true>;
 int g_moe_down_variant = 0;
@@ -404,12 +411,12 @@ cudaError_t moe_down(float* x, const float* act, const bf16* Wd, const int32_t* 
     while ((D + R - 1) / R * T > kStreamBlocksPerSm * sm_count() && (R + base) * K <= kDownPart && R + base <= kWarps * 32) R += base;
     if (R * K <= kDownPart)
       return launch(kDownPipe4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids,
-                    weights, K, D, F, R, acc, E);
+                    weights, K, D, F, R, acc, E, g_warp_topk);
   }
   const int blocks_of_two = (D + 2 * groups - 1) / (2 * groups) * T;
   const bool two = v == 1 || (v != 2 && blocks_of_two <= 4 * sm_count());
   const int R = (two ? 2 : 4) * groups;
   return launch(two ? kDown2 : kDown4, dim3((D + R - 1) / R, T), kWarps * 32, 0, s, x, act, Wd, ids, weights, K, D, F,
-                R, acc, E);
+                R, acc, E, g_warp_topk);
 }
 }  // namespace tiermoe::cuda

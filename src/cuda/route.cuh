@@ -38,6 +38,43 @@ __device__ void select_topk(int32_t* ids, const float* l, int E, int K, int T = 
   }
 }
 
+// One warp, one token: ids[0 .. K) = the K experts select_topk ranks first, in rank order, for
+// E <= 32 * PER. Lane l holds experts l, l + 32, ... as order keys, NaN as -inf (rank_value); each
+// of K rounds takes the warp's largest key (__reduce_max_sync), the lowest expert index among its
+// holders (__reduce_min_sync), and removes it. Why: select_topk's E * E comparisons over the block
+// took about 1 us at E = 128, on the critical path of the decode MoE's routing; this is K rounds of
+// two warp reductions.
+template <int PER>
+__device__ void select_topk_warp(int32_t* ids, const float* l, int E, int K) {
+  const int lane = threadIdx.x & 31;
+  uint32_t key[PER];  // 0: no expert (order_key(-inf) is above 0)
+#pragma unroll
+  for (int i = 0; i < PER; ++i) key[i] = 32 * i + lane < E ? order_key(rank_value(l[32 * i + lane])) : 0u;
+  for (int k = 0; k < K; ++k) {
+    uint32_t best = 0, at = 0;  // the lane's largest key, at its lowest index
+#pragma unroll
+    for (int i = PER - 1; i >= 0; --i)
+      if (key[i] >= best) best = key[i], at = i;
+    const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+    const uint32_t e = __reduce_min_sync(0xffffffffu, best == top ? 32 * at + lane : 0xffffffffu);
+    if (lane == 0) ids[k] = int32_t(e);
+    if (int(e & 31) == lane)
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if (i == int(e >> 5)) key[i] = 0;
+  }
+}
+// All threads of the block, one token: the top-k of l[E] into ids[K] as select_topk ranks them. Up
+// to 64 experts by the block's comparisons (16 per thread at E = 64), beyond that by the first warp
+// (select_topk_warp). Measured on one H200 (docs/benchmarks.md, "The decode MoE's top-k by one
+// warp"): the warp's at E = 128 took 3.0-4.3% off a Qwen3 step; at E = 64 it cost 0.5%.
+__device__ void select_topk_token(int32_t* ids, const float* l, int E, int K) {
+  static_assert(kRouteMaxE <= 256, "select_topk_warp's keys");
+  if (E <= 64) select_topk(ids, l, E, K);
+  else if (threadIdx.x < 32 && E <= 128) select_topk_warp<4>(ids, l, E, K);
+  else if (threadIdx.x < 32) select_topk_warp<8>(ids, l, E, K);
+}
+
 // One block of kWarps * 32 >= E threads routes one token: l[E] -> ids[K], weights[K]: top-k of l
 // (select_topk), softmax over all E of scale * l (scale > 0 keeps the ranking; 1 leaves l's bits as
 // they are), weights summed in k order when renormalized.
