@@ -48,10 +48,14 @@ void Backend::queue_sample(std::span<const SeqStep> steps, std::span<const Sampl
   check_queue(steps, rows);
   Queued q;
   for (const SeqStep& s : steps) q.caches.push_back(s.cache);
-  q.ids.resize(steps.size());
-  forward_sample(with_host_tokens(steps), rows, q.ids.data());
+  run_queued(steps, rows, q);
   last_queued_ = q;
   queued_.push_back(std::move(q));
+}
+
+void Backend::run_queued(std::span<const SeqStep> steps, std::span<const SampleRow> rows, Queued& q) {
+  q.ids.resize(steps.size());
+  forward_sample(with_host_tokens(steps), rows, q.ids.data());
 }
 
 void Backend::take_sample(int32_t* tokens) {

@@ -96,6 +96,9 @@ class Backend {
     std::vector<int32_t> ids;
     int slot = -1;
   };
+  // queue_sample's launch of checked steps whose caches are in q: q.ids filled now, or (a backend
+  // that runs ahead) whatever lets take_sample fill them. Default: forward_sample at once.
+  virtual void run_queued(std::span<const SeqStep> steps, std::span<const SampleRow> rows, Queued& q);
   std::deque<Queued> queued_;
   Queued last_queued_;  // the most recent queue_sample's step, queued or taken
 };

@@ -187,42 +187,33 @@ class CudaBackend final : public Backend {
   // one's ids: the step's inputs and ids in one of the two pinned sets (io_slot_), a chained step's
   // ids read by its embed from the last step's set. Where the device cannot sample (host
   // sampling), the steps already queued are finished and this one runs as forward_sample.
-  void queue_sample(std::span<const SeqStep> steps, std::span<const SampleRow> rows) override {
-    check_queue(steps, rows);
-    Queued q;
-    for (const SeqStep& s : steps) q.caches.push_back(s.cache);
+  void run_queued(std::span<const SeqStep> steps, std::span<const SampleRow> rows, Queued& q) override {
     if (!device_sampling() || int(steps.size()) > io_rows_) {
-      finish_queued();
-      q.ids.resize(steps.size());
-      forward_sample(with_host_tokens(steps), rows, q.ids.data());
-    } else {
-      // The set no queued step holds (at most one is queued here): 0 when none is, so that every
-      // chain starts on the same graphs.
-      q.slot = queued_.empty() || queued_.back().slot != 0 ? 0 : 1;
-      const std::vector<SeqStep> resolved = with_host_tokens(steps);
-      const bool on_device = resolved[0].tokens.empty();  // chained to a step whose ids are not on the host yet
-      put_sample_rows(rows, q.slot);
-      struct QueuedPass {  // the pass's buffers, back to the synchronous ones however it ends
-        CudaBackend& b;
-        ~QueuedPass() { b.io_slot_ = 0, b.chain_slot_ = -1, b.queued_pass_ = false; }
-      } restore{*this};
-      io_slot_ = q.slot;
-      chain_slot_ = on_device ? last_queued_.slot : -1;
-      queued_pass_ = true;
-      launch_pass(resolved, int(rows.size()));
-      sample_pass(int(rows.size()), nullptr);
+      finish_queued();  // with_host_tokens reads the last step's ids on the host
+      return Backend::run_queued(steps, rows, q);
     }
-    last_queued_ = q;
-    queued_.push_back(std::move(q));
+    // The set no queued step holds (at most one is queued here): 0 when none is, so that every
+    // chain starts on the same graphs.
+    q.slot = queued_.empty() || queued_.back().slot != 0 ? 0 : 1;
+    const std::vector<SeqStep> resolved = with_host_tokens(steps);
+    const bool on_device = resolved[0].tokens.empty();  // chained to a step whose ids are not on the host yet
+    put_sample_rows(rows, q.slot);
+    struct QueuedPass {  // the pass's buffers, back to the synchronous ones however it ends
+      CudaBackend& b;
+      ~QueuedPass() { b.io_slot_ = 0, b.chain_slot_ = -1, b.queued_pass_ = false; }
+    } restore{*this};
+    io_slot_ = q.slot;
+    chain_slot_ = on_device ? last_queued_.slot : -1;
+    queued_pass_ = true;
+    launch_pass(resolved, int(rows.size()));
+    sample_pass(int(rows.size()), nullptr);
   }
 
   bool overlaps_steps() const override { return device_sampling(); }
 
   void take_sample(int32_t* tokens) override {
-    CHECK_MSG(!queued_.empty(), "take_sample: nothing queued");
-    finish(queued_.front());
-    std::copy(queued_.front().ids.begin(), queued_.front().ids.end(), tokens);
-    queued_.pop_front();
+    if (!queued_.empty()) finish(queued_.front());  // its ids to the host
+    Backend::take_sample(tokens);
   }
 
   // TIERMOE_CUDA_SAMPLE=0 (read at every call, for A/B): the host samples copied-back logits.

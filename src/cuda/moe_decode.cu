@@ -92,8 +92,7 @@ __device__ float route_block(RouteShared& sh, int32_t* ids, float* weights, cons
   if (threadIdx.x < E) sh.lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
   stage_x_rows<1, true>(sh.st, h + size_t(t) * D, nw, 1, D);
   __syncthreads();
-  if (warp_topk) select_topk_token(sh.sid, sh.lg, E, K);
-  else select_topk(sh.sid, sh.lg, E, K);
+  select_topk_token(sh.sid, sh.lg, E, K, warp_topk);
   __syncthreads();
   float ss = 0.f;
   for (int w = 0; w < kWarps; ++w) ss += sh.st.red[w][0];
@@ -237,8 +236,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
   if (acc) {
     if (threadIdx.x < E) lg[threadIdx.x] = logit_of(acc[(size_t(t) * E + threadIdx.x) * kRouterLogitStride]);
     __syncthreads();
-    if (warp_topk) select_topk_token(sid, lg, E, K);
-    else select_topk(sid, lg, E, K);
+    select_topk_token(sid, lg, E, K, warp_topk);
     __syncthreads();
   }
   auto job_rows = [&](int j) {

@@ -68,9 +68,10 @@ __device__ void select_topk_warp(int32_t* ids, const float* l, int E, int K) {
 // to 64 experts by the block's comparisons (16 per thread at E = 64), beyond that by the first warp
 // (select_topk_warp). Measured on one H200 (docs/benchmarks.md, "The decode MoE's top-k by one
 // warp"): the warp's at E = 128 took 3.0-4.3% off a Qwen3 step; at E = 64 it cost 0.5%.
-__device__ void select_topk_token(int32_t* ids, const float* l, int E, int K) {
+// warp = false: the block's at every E (A/B timing).
+__device__ void select_topk_token(int32_t* ids, const float* l, int E, int K, bool warp = true) {
   static_assert(kRouteMaxE <= 256, "select_topk_warp's keys");
-  if (E <= 64) select_topk(ids, l, E, K);
+  if (!warp || E <= 64) select_topk(ids, l, E, K);
   else if (threadIdx.x < 32 && E <= 128) select_topk_warp<4>(ids, l, E, K);
   else if (threadIdx.x < 32) select_topk_warp<8>(ids, l, E, K);
 }
