@@ -2,6 +2,7 @@
 // progressive RVQ codes, page migration, calibration determinism, configs and profiles.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -127,6 +128,50 @@ TEST(KvCodec, RowsFromBasisEqualOneAtATime) {
         }
       }
     }
+}
+
+// Channels without bits decode to one value in every token and are summed once; the rows equal
+// them brought back one at a time up to FP32 rounding. A per-token norm makes no channel constant.
+TEST(KvCodec, ChannelsWithoutBitsAreSummedOnce) {
+  const int Dh = 128, N = 512, n = 16;
+  const auto x = keys_like(N, Dh, 21);
+  for (bool token_norm : {false, true}) {
+    CodecSpec spec = kv_preset("default").k;
+    spec.token_norm = token_norm;
+    VqCodec c;
+    c.fit(spec, x.data(), N, Dh, {}, 5, 4);
+    for (int stages : {1, 2}) {
+      std::vector<uint8_t> constant(static_cast<size_t>(Dh));
+      c.constant_channels(stages, constant.data());
+      const long marked = std::count(constant.begin(), constant.end(), uint8_t(1));
+      if (token_norm) {
+        EXPECT_EQ(marked, 0);
+        continue;
+      }
+      EXPECT_GT(marked, 8) << stages;  // water-filling leaves the weakest channels without bits
+      EXPECT_LT(marked, Dh - 8) << stages;
+      std::vector<float> y(size_t(n) * Dh), rows(y.size()), one(static_cast<size_t>(Dh));
+      std::vector<uint16_t> codes(size_t(c.n_codes()));
+      std::vector<uint8_t> anc(c.anchors.size() + 1);
+      for (int t = 0; t < n; ++t) {
+        float norm;
+        c.encode(x.data() + size_t(t) * Dh, codes.data(), anc.data(), &norm);
+        c.decode(codes.data(), anc.data(), norm, stages, y.data() + size_t(t) * Dh, true);
+        for (int r = 0; r < Dh; ++r)
+          if (constant[size_t(r)]) ASSERT_EQ(y[size_t(t) * Dh + r], y[size_t(r)]) << t << " " << r;
+      }
+      c.from_basis_rows(y.data(), n, rows.data(), constant.data());
+      double err = 0, ref = 0;
+      for (int t = 0; t < n; ++t) {
+        c.from_basis(y.data() + size_t(t) * Dh, 1.f, one.data());
+        for (int i = 0; i < Dh; ++i) {
+          const double e = rows[size_t(t) * Dh + i] - one[size_t(i)];
+          err += e * e, ref += double(one[size_t(i)]) * one[size_t(i)];
+        }
+      }
+      EXPECT_LT(std::sqrt(err / ref), 1e-6) << stages;
+    }
+  }
 }
 
 TEST(KvCodec, KiviRoundTripWithinHalfAStep) {

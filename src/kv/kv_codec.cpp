@@ -11,6 +11,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "cpu/simd.h"
 
 namespace tiermoe {
 namespace {
@@ -486,28 +487,68 @@ void VqCodec::from_basis(const float* y, float weight, float* x) const {
     for (int i = 0; i < d; ++i) x[i] += weight * mean[size_t(i)];
 }
 
-void VqCodec::from_basis_rows(const float* y, int n, float* x) const {
-  // Blocks of kRows rows x kCols columns of x in registers while r runs over U's rows: each
-  // 32-column piece of U row r is loaded once for 4 rows, where unrotate's per-row loop loads and
-  // stores x at every r. The sum over r is in the same order, so the bits are unrotate's.
-  constexpr int kRows = 4, kCols = 32;
-  int t = 0;
-  if (!rot.empty() && d % kCols == 0)
-    for (; t + kRows <= n; t += kRows)
-      for (int c0 = 0; c0 < d; c0 += kCols) {
-        float acc[kRows][kCols] = {};
-        for (int r = 0; r < d; ++r) {
-          const float* u = rot.data() + size_t(r) * d + c0;
-          for (int i = 0; i < kRows; ++i) {
-            const float yr = y[size_t(t + i) * d + size_t(r)];
-            for (int l = 0; l < kCols; ++l) acc[i][l] += yr * u[l];
-          }
-        }
-        for (int i = 0; i < kRows; ++i)
-          for (int l = 0; l < kCols; ++l)
-            x[size_t(t + i) * d + size_t(c0 + l)] = mean.empty() ? acc[i][l] : acc[i][l] + mean[size_t(c0 + l)];
+namespace {
+// x[R rows, 16 columns from c0] = start + sum over the listed rows r of U of y[., r] U[r, c0 ..]
+// (+ mean), in the order of `rows`: R rows by two 8-lane vectors in registers, each piece of U
+// loaded once for R rows.
+template <int R>
+void unrotate_block(const float* y, int d, const float* U, const int* rows, int nrows, const float* start,
+                    const float* mean, float* x) {
+  for (int c0 = 0; c0 < d; c0 += 16) {
+    __m256 acc[R][2];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 2; ++v) acc[i][v] = _mm256_loadu_ps(start + c0 + 8 * v);
+    for (int k = 0; k < nrows; ++k) {
+      const float* u = U + size_t(rows[k]) * d + c0;
+      const __m256 u0 = _mm256_loadu_ps(u), u1 = _mm256_loadu_ps(u + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 b = _mm256_broadcast_ss(y + size_t(i) * d + rows[k]);
+        acc[i][0] = _mm256_fmadd_ps(b, u0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(b, u1, acc[i][1]);
       }
-  for (; t < n; ++t) from_basis(y + size_t(t) * d, 1.f, x + size_t(t) * d);
+    }
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 2; ++v) {
+        const __m256 m = mean ? _mm256_loadu_ps(mean + c0 + 8 * v) : _mm256_setzero_ps();
+        _mm256_storeu_ps(x + size_t(i) * d + c0 + 8 * v, mean ? _mm256_add_ps(acc[i][v], m) : acc[i][v]);
+      }
+  }
+}
+}  // namespace
+
+void VqCodec::from_basis_rows(const float* y, int n, float* x, const uint8_t* constant) const {
+  if (rot.empty() || d % 16 != 0 || d > 256) {
+    for (int t = 0; t < n; ++t) from_basis(y + size_t(t) * d, 1.f, x + size_t(t) * d);
+    return;
+  }
+  // Channels with the same value in every row are summed once, into every row's start; the
+  // others in basis order, as unrotate sums them (without constant channels the bits are its).
+  alignas(32) float start[256];
+  int rows[256], nrows = 0;
+  std::fill_n(start, d, 0.f);
+  for (int r = 0; r < d; ++r) {
+    if (!constant || !constant[r]) {
+      rows[nrows++] = r;
+      continue;
+    }
+    const float yr = y[r];
+    const float* u = rot.data() + size_t(r) * d;
+    for (int i = 0; i < d; ++i) start[i] += yr * u[i];
+  }
+  const float* mu = mean.empty() ? nullptr : mean.data();
+  int t = 0;
+  for (; t + 4 <= n; t += 4) unrotate_block<4>(y + size_t(t) * d, d, rot.data(), rows, nrows, start, mu, x + size_t(t) * d);
+  for (; t < n; ++t) unrotate_block<1>(y + size_t(t) * d, d, rot.data(), rows, nrows, start, mu, x + size_t(t) * d);
+}
+
+void VqCodec::constant_channels(int n, uint8_t* constant) const {
+  std::fill_n(constant, d, uint8_t(0));
+  if (kind != "vq" || token_norm) return;
+  std::vector<int> bits(rest.size(), 0);
+  for (int s = 0; s < n && s < n_stages(); ++s)
+    for (const VqSlot& slot : stages[size_t(s)])
+      for (int l = 0; l < slot.len; ++l) bits[size_t(slot.c0 + l)] += slot.bits;
+  for (size_t i = 0; i < rest.size(); ++i) constant[rest[i]] = bits[i] == 0;
 }
 
 void VqCodec::roundtrip_elementwise(float* x) const {

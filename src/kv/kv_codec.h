@@ -70,9 +70,14 @@ struct VqCodec {
   // x = U^T y + weight * mean: a weighted sum of vectors kept in the basis (weights summing to
   // `weight`) brought back with one unrotation instead of one per vector.
   void from_basis(const float* y, float weight, float* x) const;
-  // The same for n rows y[n, d] -> x[n, d] (weight 1 each; x must not alias y), bit-identical to
-  // n calls: a page's keys brought back together, each row of U read once per 4 rows.
-  void from_basis_rows(const float* y, int n, float* x) const;
+  // The same for n rows y[n, d] -> x[n, d] (weight 1 each; x must not alias y): a page's keys
+  // brought back together, each row of U read once per 4 rows; bit-identical to n calls.
+  // constant[d] (optional) marks channels whose value is the same in every row (no bits, see
+  // constant_channels): summed once, not once per row (then equal to n calls up to rounding).
+  void from_basis_rows(const float* y, int n, float* x, const uint8_t* constant = nullptr) const;
+  // Marks in constant[d] the channels that decode to the same value in every token coded with
+  // the first n stages: no bits in any of them, not an anchor, no per-token norm.
+  void constant_channels(int n, uint8_t* constant) const;
   // fp8 / bf16: one token. kivi: a page of P tokens x[P, stride] (keys per channel over the
   // page's groups of tokens, values per token over groups of channels), decoded in place.
   void roundtrip_elementwise(float* x) const;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -28,6 +29,16 @@ uint32_t get_bits(const uint8_t* buf, size_t off, int n) {
   if (sh + n > 8) v |= uint32_t(buf[i + 1]) << 8;
   if (sh + n > 16) v |= uint32_t(buf[i + 2]) << 16;
   return (v >> sh) & ((1u << n) - 1);
+}
+
+// get_bits with one unaligned 8-byte load where 8 bytes remain from the field's first byte: the
+// decode loop's read, per code per key at every step.
+inline uint32_t read_bits(const std::vector<uint8_t>& buf, size_t off, int n) {
+  const size_t i = off >> 3;
+  if (i + 8 > buf.size()) return get_bits(buf.data(), off, n);
+  uint64_t w;
+  std::memcpy(&w, buf.data() + i, 8);
+  return uint32_t(w >> (off & 7)) & ((1u << n) - 1);
 }
 
 bool is_vq(const StreamCodecs& c) { return c[0].kind == "vq"; }
@@ -177,7 +188,8 @@ void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry&
   }
   CHECK(stages <= pg.stages);
   // The rows in the codec's basis first (into out itself when they stay there), then brought back
-  // together (from_basis_rows: one pass over the rotation per 4 rows, not one per row).
+  // together (from_basis_rows: one pass over the rotation per 4 rows, not one per row, and the
+  // channels without bits summed once).
   thread_local std::vector<float> in_rot;
   float* y = out;
   if (!in_basis) {
@@ -188,13 +200,17 @@ void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry&
   for (int t = 0; t < P; ++t) {
     size_t at = off + size_t(t) * size_t(record);
     auto next_code = [&](int bits) {
-      const uint32_t code = get_bits(pg.codes.data(), at, bits);
+      const uint32_t code = read_bits(pg.codes, at, bits);
       at += size_t(bits);
       return code;
     };
     cd.decode_with(next_code, page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, y + size_t(t) * Dh, true);
   }
-  if (!in_basis) cd.from_basis_rows(y, P, out);
+  if (!in_basis) {
+    uint8_t constant[256];
+    cd.constant_channels(stages, constant);
+    cd.from_basis_rows(y, P, out, constant);
+  }
   if (c.kv == 0 && rope.on())
     for (int t = 0; t < P; ++t) rope.apply(out + size_t(t) * Dh, geo.first + t, Dh, 1.f);
 }

@@ -100,7 +100,7 @@ struct Layer {
 // sum once per query (Dh^2 per query instead of per key).
 struct Decoded {
   int lo = 0, hi = 0;
-  std::vector<float> rows[2];  // K, V: [(hi - lo) P, Dh]
+  std::vector<float> rows[2];  // K, V: [(hi - lo) P, Dh] in use (scratch: never shrunk)
 };
 
 class TieredKvCache final : public KvCache {
@@ -512,7 +512,7 @@ class TieredKvCache final : public KvCache {
     arch.lo = 0;
     arch.hi = differs ? ae1 / P : 0;
     for (Decoded* d : {&mid, &arch})
-      for (auto& r : d->rows) r.resize(size_t(d->hi - d->lo) * P * Dh);
+      for (auto& r : d->rows) r.resize(std::max(r.size(), size_t(d->hi - d->lo) * P * Dh));
     const int n_mid = mid.hi - mid.lo, n_all = n_mid + arch.hi - arch.lo;
     parallel_for(size_t(n_all) * 2, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) {
@@ -536,7 +536,7 @@ class TieredKvCache final : public KvCache {
     // fn(row) on the row of key j as the query at p sees it: FP32 decoded or BF16 exact.
     auto visit = [&](int kv, int j, auto fn) {
       if (j < sink || j >= ce) return fn(exact_row(L, kv, j) + off);
-      const Decoded& d = j < ae && !arch.rows[kv].empty() ? arch : mid;
+      const Decoded& d = j < ae && arch.hi > arch.lo ? arch : mid;
       return fn(static_cast<const float*>(d.rows[kv].data() + (size_t(j) - size_t(d.lo) * P) * Dh));
     };
     const float scale = 1.0f / std::sqrt(float(Dh));
@@ -587,20 +587,32 @@ class TieredKvCache final : public KvCache {
       });
       return;
     }
-    // Pre-RoPE keys: the angles of the coded positions these queries read (below ce), computed
-    // once for every KV head instead of once per head and key.
+    // Pre-RoPE keys: the angles of the coded positions these queries read (below ce). A position's
+    // angles never change, so this thread's table keeps them across KV heads, layers, steps and
+    // sequences of the same RoPE, and only positions not seen yet are computed.
     KeyRope rope = rope_;
-    thread_local std::vector<float> angles;
+    thread_local std::vector<float> angles, angles_freq;
     if (rope_.on()) {
       int sink, ae, ce;
       ranges(L, p0 + T - 1, sink, ae, ce);
-      angles.resize(size_t(ce) * Dh);
-      float* table = angles.data();  // this thread's buffer (a worker naming `angles` gets its own)
-      parallel_for(size_t(ce), [&](size_t b, size_t e) { rope_.angles_table(int(b), int(e - b), Dh, table + b * Dh); }, 64);
-      rope.table = table, rope.table_first = 0, rope.table_n = ce;
+      if (angles_freq != rope_.inv_freq) angles_freq = rope_.inv_freq, angles.clear();
+      const size_t have = angles.size() / size_t(Dh);
+      if (size_t(ce) > have) {
+        angles.resize(size_t(ce) * Dh);
+        float* table = angles.data();  // this thread's buffer (a worker naming `angles` gets its own)
+        parallel_for(size_t(ce) - have, [&](size_t b, size_t e) {
+          rope_.angles_table(int(have + b), int(e - b), Dh, table + (have + b) * Dh);
+        }, 64);
+      }
+      rope.table = angles.data(), rope.table_first = 0, rope.table_n = ce;
     }
+    // Decoded pages in this thread's scratch, reused: a fresh buffer per layer and head costs
+    // its allocation and page faults at every step. (Named through references: a worker naming
+    // the thread_local itself would get its own.)
+    thread_local Decoded scratch[2];
+    Decoded &mid = scratch[0], &arch = scratch[1];
     for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
-      Decoded mid, arch;
+      mid.lo = mid.hi = arch.lo = arch.hi = 0;
       decode_for_chunk(L, kvh, p0, p0 + T - 1, rope, mid, arch);
       parallel_for(size_t(T) * group, [&](size_t b, size_t e) {
         thread_local std::vector<float> scores;
