@@ -9,8 +9,10 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "cpu/ops.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_codec.h"
+#include "kv/kv_page.h"
 #include "kv/kv_profile.h"
 #include "kv/kv_spec.h"
 
@@ -172,6 +174,84 @@ TEST(KvCodec, ChannelsWithoutBitsAreSummedOnce) {
       EXPECT_LT(std::sqrt(err / ref), 1e-6) << stages;
     }
   }
+}
+
+// A page decoded slot by slot (decode_page: the layout, the 16-token register path, the channels
+// summed once) against its tokens coded and decoded one at a time by VqCodec, over codecs
+// (scalar and 4-dim RVQ slots, anchors, per-token norms, pre-RoPE keys), page sizes (16 takes
+// the register path, 8 and 12 the per-token one), stages (all, the archive's first) and the
+// second head's offsets; the archive cut (truncate_page_stages) decodes as its first stages did.
+TEST(KvPage, DecodedPagesEqualTokensDecodedOneAtATime) {
+  const int Dh = 64, Hkv = 2, N = 512;
+  CodecSpec norm_spec = kv_preset("hadamard2").k;
+  norm_spec.token_norm = true;
+  norm_spec.stage_bits = {1.5, 1.0};
+  struct Case {
+    const char* name;
+    CodecSpec spec;
+  };
+  const std::vector<Case> cases = {{"default K", kv_preset("default").k},  {"default V", kv_preset("default").v},
+                                   {"rvq-tiers", kv_preset("rvq-tiers").k}, {"oskvp", kv_preset("oskvp").k},
+                                   {"token norm", norm_spec}};
+  KeyRope rope;
+  rope.inv_freq.resize(Dh / 2);
+  rope_inv_freq(rope.inv_freq.data(), Dh, 10000.f);
+  for (const Case& cs : cases)
+    for (int kv : {0, 1}) {
+      VqCodec codec[Hkv * 2];
+      for (int h = 0; h < Hkv; ++h) {
+        const auto x = keys_like(N, Dh, 30 + uint64_t(h));
+        codec[h * 2 + kv].fit(cs.spec, x.data(), N, Dh, {}, 3 + uint64_t(h), 4);
+      }
+      const StreamCodecs sc{codec, kv};
+      const bool pre_rope = kv == 0 && cs.spec.pre_rope;
+      for (int P : {16, 8, 12}) {
+        const PageGeometry geo{P, Hkv, Dh, 3 * P};
+        const auto rows = keys_like(P * Hkv, Dh, 40 + uint64_t(P));
+        PageStore pg;
+        pg.exact.resize(size_t(P) * Hkv * Dh);
+        for (size_t i = 0; i < pg.exact.size(); ++i) pg.exact[i] = f32_to_bf16(rows[i]);
+        encode_page(pg, sc, geo, pre_rope ? rope : KeyRope{});
+        const int ns = codec[kv].n_stages();
+        for (int h = 0; h < Hkv; ++h)
+          for (int stages : {ns, 1})
+            for (bool in_basis : {false, true}) {
+              if (in_basis && kv == 0) continue;
+              std::vector<float> got(size_t(P) * Dh), want(size_t(P) * Dh);
+              decode_page(pg, sc, geo, h, stages, pre_rope ? rope : KeyRope{}, got.data(), in_basis);
+              const VqCodec& c = codec[h * 2 + kv];
+              std::vector<uint16_t> codes(size_t(c.n_codes())), stored(size_t(c.n_codes()));
+              std::vector<uint8_t> anc(c.anchors.size() + 1);
+              for (int t = 0; t < P; ++t) {
+                float x[Dh], norm;
+                for (int i = 0; i < Dh; ++i) x[i] = bf16_to_f32(pg.exact[(size_t(t) * Hkv + h) * Dh + i]);
+                if (pre_rope) rope.apply(x, geo.first + t, Dh, -1.f);
+                c.encode(x, codes.data(), anc.data(), &norm);
+                page_codes(pg, sc, geo, h, t, stored.data());
+                ASSERT_EQ(codes, stored) << cs.name << " P " << P << " h " << h << " t " << t;
+                c.decode(codes.data(), anc.data(), norm, stages, want.data() + size_t(t) * Dh, in_basis);
+                if (pre_rope) rope.apply(want.data() + size_t(t) * Dh, geo.first + t, Dh, 1.f);
+              }
+              const std::string where = std::string(cs.name) + (kv ? " V" : " K") + " P " + std::to_string(P) +
+                                        " h " + std::to_string(h) + " stages " + std::to_string(stages);
+              if (in_basis) {
+                EXPECT_EQ(got, want) << where;  // the same additions in the same order
+                continue;
+              }
+              double err = 0, ref = 0;
+              for (size_t i = 0; i < got.size(); ++i)
+                err += (got[i] - want[i]) * (got[i] - want[i]), ref += double(want[i]) * want[i];
+              EXPECT_LT(std::sqrt(err / ref), 1e-6) << where;
+            }
+        if (ns > 1) {
+          std::vector<float> before(size_t(P) * Dh), after(size_t(P) * Dh);
+          decode_page(pg, sc, geo, 1, 1, pre_rope ? rope : KeyRope{}, before.data());
+          truncate_page_stages(pg, sc, geo, 1);
+          decode_page(pg, sc, geo, 1, 1, pre_rope ? rope : KeyRope{}, after.data());
+          EXPECT_EQ(before, after) << cs.name << " P " << P;
+        }
+      }
+    }
 }
 
 TEST(KvCodec, KiviRoundTripWithinHalfAStep) {

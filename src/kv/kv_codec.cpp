@@ -488,12 +488,12 @@ void VqCodec::from_basis(const float* y, float weight, float* x) const {
 }
 
 namespace {
-// x[R rows, 16 columns from c0] = start + sum over the listed rows r of U of y[., r] U[r, c0 ..]
-// (+ mean), in the order of `rows`: R rows by two 8-lane vectors in registers, each piece of U
-// loaded once for R rows.
+// x[R rows, 16 columns from c0] = start + sum over the listed rows r of U of y(i, r) U[r, c0 ..]
+// (+ mean), in the order of `rows`, with y(i, r) = y[i * row_stride + r * channel_stride]: R rows
+// by two 8-lane vectors in registers, each piece of U loaded once for R rows.
 template <int R>
-void unrotate_block(const float* y, int d, const float* U, const int* rows, int nrows, const float* start,
-                    const float* mean, float* x) {
+void unrotate_block(const float* y, size_t row_stride, size_t channel_stride, int d, const float* U, const int* rows,
+                    int nrows, const float* start, const float* mean, float* x) {
   for (int c0 = 0; c0 < d; c0 += 16) {
     __m256 acc[R][2];
     for (int i = 0; i < R; ++i)
@@ -502,23 +502,28 @@ void unrotate_block(const float* y, int d, const float* U, const int* rows, int 
       const float* u = U + size_t(rows[k]) * d + c0;
       const __m256 u0 = _mm256_loadu_ps(u), u1 = _mm256_loadu_ps(u + 8);
       for (int i = 0; i < R; ++i) {
-        const __m256 b = _mm256_broadcast_ss(y + size_t(i) * d + rows[k]);
+        const __m256 b = _mm256_broadcast_ss(y + size_t(i) * row_stride + size_t(rows[k]) * channel_stride);
         acc[i][0] = _mm256_fmadd_ps(b, u0, acc[i][0]);
         acc[i][1] = _mm256_fmadd_ps(b, u1, acc[i][1]);
       }
     }
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < 2; ++v) {
-        const __m256 m = mean ? _mm256_loadu_ps(mean + c0 + 8 * v) : _mm256_setzero_ps();
-        _mm256_storeu_ps(x + size_t(i) * d + c0 + 8 * v, mean ? _mm256_add_ps(acc[i][v], m) : acc[i][v]);
+        const __m256 a = acc[i][v];
+        _mm256_storeu_ps(x + size_t(i) * d + c0 + 8 * v, mean ? _mm256_add_ps(a, _mm256_loadu_ps(mean + c0 + 8 * v)) : a);
       }
   }
 }
 }  // namespace
 
-void VqCodec::from_basis_rows(const float* y, int n, float* x, const uint8_t* constant) const {
+void VqCodec::from_basis_rows(const float* y, int n, float* x, const uint8_t* constant, bool channel_major) const {
+  const size_t row_stride = channel_major ? 1 : size_t(d), channel_stride = channel_major ? size_t(n) : 1;
   if (rot.empty() || d % 16 != 0 || d > 256) {
-    for (int t = 0; t < n; ++t) from_basis(y + size_t(t) * d, 1.f, x + size_t(t) * d);
+    float row[256];
+    for (int t = 0; t < n; ++t) {
+      for (int r = 0; r < d; ++r) row[r] = y[size_t(t) * row_stride + size_t(r) * channel_stride];
+      from_basis(row, 1.f, x + size_t(t) * d);
+    }
     return;
   }
   // Channels with the same value in every row are summed once, into every row's start; the
@@ -531,14 +536,16 @@ void VqCodec::from_basis_rows(const float* y, int n, float* x, const uint8_t* co
       rows[nrows++] = r;
       continue;
     }
-    const float yr = y[r];
+    const float yr = y[size_t(r) * channel_stride];
     const float* u = rot.data() + size_t(r) * d;
     for (int i = 0; i < d; ++i) start[i] += yr * u[i];
   }
   const float* mu = mean.empty() ? nullptr : mean.data();
   int t = 0;
-  for (; t + 4 <= n; t += 4) unrotate_block<4>(y + size_t(t) * d, d, rot.data(), rows, nrows, start, mu, x + size_t(t) * d);
-  for (; t < n; ++t) unrotate_block<1>(y + size_t(t) * d, d, rot.data(), rows, nrows, start, mu, x + size_t(t) * d);
+  for (; t + 4 <= n; t += 4)
+    unrotate_block<4>(y + size_t(t) * row_stride, row_stride, channel_stride, d, rot.data(), rows, nrows, start, mu, x + size_t(t) * d);
+  for (; t < n; ++t)
+    unrotate_block<1>(y + size_t(t) * row_stride, row_stride, channel_stride, d, rot.data(), rows, nrows, start, mu, x + size_t(t) * d);
 }
 
 void VqCodec::constant_channels(int n, uint8_t* constant) const {

@@ -74,7 +74,9 @@ struct VqCodec {
   // brought back together, each row of U read once per 4 rows; bit-identical to n calls.
   // constant[d] (optional) marks channels whose value is the same in every row (no bits, see
   // constant_channels): summed once, not once per row (then equal to n calls up to rounding).
-  void from_basis_rows(const float* y, int n, float* x, const uint8_t* constant = nullptr) const;
+  // channel_major: y is [d, n] (a page decoded slot by slot) instead of [n, d].
+  void from_basis_rows(const float* y, int n, float* x, const uint8_t* constant = nullptr,
+                       bool channel_major = false) const;
   // Marks in constant[d] the channels that decode to the same value in every token coded with
   // the first n stages: no bits in any of them, not an anchor, no per-token norm.
   void constant_channels(int n, uint8_t* constant) const;

@@ -7,6 +7,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "cpu/ops.h"
+#include "cpu/simd.h"
 
 namespace tiermoe {
 namespace {
@@ -39,6 +40,42 @@ inline uint32_t read_bits(const std::vector<uint8_t>& buf, size_t off, int n) {
   uint64_t w;
   std::memcpy(&w, buf.data() + i, 8);
   return uint32_t(w >> (off & 7)) & ((1u << n) - 1);
+}
+
+// One slot's codes for the P tokens of a page, at bit `off`, as codewords into the slot's channels
+// of yt[Dh, P] (channel-major): assigned by the first stage, added by the later ones, in the order
+// VqCodec::decode adds them. 16 tokens of a scalar slot of at most 4 bits (most of them) are one
+// 8-byte load, shifts, and a codebook lookup by register permutes.
+void decode_slot(const std::vector<uint8_t>& codes, size_t off, int P, const VqSlot& slot, const int* rest, bool first,
+                 float* yt) {
+  const int b = slot.bits;
+  if (slot.len == 1 && P == 16 && b <= 4 && off % 8 == 0 && off / 8 + 8 <= codes.size()) {
+    const float* book = slot.book.data();  // 2^b codewords: the lanes past them are not read
+    const __m256i in_book = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 lo = _mm256_maskload_ps(book, in_book), hi = b == 4 ? _mm256_loadu_ps(book + 8) : lo;
+    uint64_t w;
+    std::memcpy(&w, codes.data() + off / 8, 8);
+    const __m256i shift = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(b));
+    const __m256i mask = _mm256_set1_epi32((1 << b) - 1);
+    float* dst = yt + size_t(rest[slot.c0]) * 16;
+    for (int half = 0; half < 2; ++half) {  // tokens 8 * half .. 8 * half + 7
+      const uint32_t bits = uint32_t(w >> (8 * b * half));
+      const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(bits)), shift), mask);
+      __m256 v = _mm256_permutevar8x32_ps(lo, code);
+      if (b == 4)  // codes 8..15 from the second register, chosen by the code's bit 3
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, code), _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+      float* d = dst + 8 * half;
+      _mm256_storeu_ps(d, first ? v : _mm256_add_ps(_mm256_loadu_ps(d), v));
+    }
+    return;
+  }
+  for (int t = 0; t < P; ++t) {
+    const float* cw = slot.book.data() + size_t(read_bits(codes, off + size_t(t) * size_t(b), b)) * size_t(slot.len);
+    for (int l = 0; l < slot.len; ++l) {
+      float& y = yt[size_t(rest[slot.c0 + l]) * P + t];
+      y = first ? cw[l] : y + cw[l];
+    }
+  }
 }
 
 bool is_vq(const StreamCodecs& c) { return c[0].kind == "vq"; }
@@ -131,7 +168,11 @@ void encode_page(PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, 
       float norm;
       cd.encode(xt, codes.data(), pg.anchors.data() + (size_t(t) * Hkv + h) * na, &norm);
       if (!pg.scales.empty()) pg.scales[size_t(t) * Hkv + h] = f32_to_bf16(norm);  // BF16-rounded by encode
-      for (size_t k = 0; k < width.size(); ++k) put_bits(pg.codes.data(), off, codes[k], width[k]), off += size_t(width[k]);
+      size_t slot_off = off;  // slot k's P codes follow the P codes of every slot before it
+      for (size_t k = 0; k < width.size(); ++k) {
+        put_bits(pg.codes.data(), slot_off + size_t(t) * size_t(width[k]), codes[k], width[k]);
+        slot_off += size_t(P) * size_t(width[k]);
+      }
     }
   }
   pg.coded = true;
@@ -144,11 +185,12 @@ void truncate_page_stages(PageStore& pg, const StreamCodecs& c, const PageGeomet
   for (int h = 0; h < geo.Hkv; ++h) {
     const int from = record_bits(c[h], pg.stages), to = record_bits(c[h], stages);
     const size_t src = head_bit_offset(c, geo, h, pg.stages), dst = head_bit_offset(c, geo, h, stages);
-    for (int t = 0; t < geo.P; ++t)  // a record's prefix is the codes of its first stages
-      for (int b = 0; b < to; b += 16) {
-        const int n = std::min(16, to - b);
-        put_bits(kept.data(), dst + size_t(t) * to + b, get_bits(pg.codes.data(), src + size_t(t) * from + b, n), n);
-      }
+    (void)from;
+    const size_t bits = size_t(geo.P) * size_t(to);  // the head's codes of its first stages are a prefix
+    for (size_t b = 0; b < bits; b += 16) {
+      const int n = int(std::min<size_t>(16, bits - b));
+      put_bits(kept.data(), dst + b, get_bits(pg.codes.data(), src + b, n), n);
+    }
   }
   pg.codes = std::move(kept);
   pg.stages = stages;
@@ -156,10 +198,13 @@ void truncate_page_stages(PageStore& pg, const StreamCodecs& c, const PageGeomet
 
 void page_codes(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t, uint16_t* codes) {
   const VqCodec& cd = c[h];
-  size_t off = head_bit_offset(c, geo, h, pg.stages) + size_t(t) * record_bits(cd, pg.stages);
+  size_t off = head_bit_offset(c, geo, h, pg.stages);
   int k = 0;
   for (int s = 0; s < pg.stages; ++s)
-    for (const VqSlot& slot : cd.stages[size_t(s)]) codes[k++] = uint16_t(get_bits(pg.codes.data(), off, slot.bits)), off += size_t(slot.bits);
+    for (const VqSlot& slot : cd.stages[size_t(s)]) {
+      codes[k++] = uint16_t(get_bits(pg.codes.data(), off + size_t(t) * size_t(slot.bits), slot.bits));
+      off += size_t(geo.P) * size_t(slot.bits);
+    }
 }
 
 float page_norm(const PageStore& pg, const StreamCodecs& c, const PageGeometry& geo, int h, int t) {
@@ -187,29 +232,34 @@ void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry&
     return;
   }
   CHECK(stages <= pg.stages);
-  // The rows in the codec's basis first (into out itself when they stay there), then brought back
-  // together (from_basis_rows: one pass over the rotation per 4 rows, not one per row, and the
-  // channels without bits summed once).
-  thread_local std::vector<float> in_rot;
-  float* y = out;
-  if (!in_basis) {
-    in_rot.resize(size_t(P) * Dh);
-    y = in_rot.data();
-  }
-  const int record = record_bits(cd, pg.stages);  // off: the head's first record
-  for (int t = 0; t < P; ++t) {
-    size_t at = off + size_t(t) * size_t(record);
-    auto next_code = [&](int bits) {
-      const uint32_t code = read_bits(pg.codes, at, bits);
-      at += size_t(bits);
-      return code;
-    };
-    cd.decode_with(next_code, page_anchors(pg, c, geo, h, t), page_norm(pg, c, geo, h, t), stages, y + size_t(t) * Dh, true);
-  }
-  if (!in_basis) {
+  // Slot by slot into yt[Dh, P], channel-major like the codes; then into out[P, Dh], transposed
+  // (in_basis) or brought back to the model's basis together (from_basis_rows: each row of the
+  // rotation read once per 4 tokens, the channels without bits summed once).
+  thread_local std::vector<float> yt_buf;
+  yt_buf.resize(size_t(Dh) * P);
+  float* yt = yt_buf.data();
+  if (stages == 0)
+    for (int r : cd.rest) std::fill_n(yt + size_t(r) * P, P, 0.f);
+  for (int s = 0; s < stages; ++s)
+    for (const VqSlot& slot : cd.stages[size_t(s)]) {
+      decode_slot(pg.codes, off, P, slot, cd.rest.data(), s == 0, yt);
+      off += size_t(P) * size_t(slot.bits);
+    }
+  for (size_t a = 0; a < cd.anchors.size(); ++a)
+    for (int t = 0; t < P; ++t)
+      yt[size_t(cd.anchors[a]) * P + t] = fp8_e4m3_to_f32(page_anchors(pg, c, geo, h, t)[a]) * cd.anchor_scale[a];
+  if (cd.token_norm)
+    for (int t = 0; t < P; ++t) {
+      const float norm = page_norm(pg, c, geo, h, t);
+      for (int r : cd.rest) yt[size_t(r) * P + t] *= norm;
+    }
+  if (in_basis) {
+    for (int r = 0; r < Dh; ++r)
+      for (int t = 0; t < P; ++t) out[size_t(t) * Dh + r] = yt[size_t(r) * P + t];
+  } else {
     uint8_t constant[256];
     cd.constant_channels(stages, constant);
-    cd.from_basis_rows(y, P, out, constant);
+    cd.from_basis_rows(yt, P, out, constant, /*channel_major=*/true);
   }
   if (c.kv == 0 && rope.on())
     for (int t = 0; t < P; ++t) rope.apply(out + size_t(t) * Dh, geo.first + t, Dh, 1.f);

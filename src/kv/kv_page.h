@@ -37,7 +37,8 @@ struct StreamCodecs {
 
 struct PageStore {
   std::vector<uint16_t> exact;   // BF16 [n <= P, Hkv, Dh]; freed when the page leaves the window
-  std::vector<uint8_t> codes;    // packed, per head h: [P tokens][record_bits(h)]
+  std::vector<uint8_t> codes;    // packed, per head h: vq: per slot in code order [P tokens][slot bits]
+                                 // (a slot's codes together; the first stages a prefix); else [P][Dh]
   std::vector<uint8_t> anchors;  // vq: FP8 [P, Hkv, anchors]
   std::vector<uint16_t> scales;  // BF16: vq token norms [P, Hkv]; kivi (zero, scale) per group [Hkv][groups]
   int stages = 0;                // vq: stages whose codes are held (middle: all; archive: a prefix)
