@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <sstream>
 
@@ -656,6 +657,27 @@ TEST(KvProfile, SavedLoadedAndRefusedForAnotherModel) {
   run_cache(*d, g, {40}, 21);
   EXPECT_GT(d->stats().tiers[2].tokens, 0);
   EXPECT_THROW(KvProfile::load(path + ".missing"), InputError);
+  // A codec whose layout would send decoding out of bounds is refused at load, named.
+  const std::vector<std::function<void(VqCodec&)>> corruptions = {
+      [](VqCodec& v) { v.rest[0] = 999; },                  // channel outside the head
+      [](VqCodec& v) { v.rest[1] = v.rest[0]; },            // a channel twice
+      [](VqCodec& v) { v.rest.pop_back(); },                // a channel missing
+      [](VqCodec& v) { v.stages[0][1].c0 += 1; },           // slots out of order
+      [](VqCodec& v) { v.rot.resize(v.rot.size() - 1); },  // rotation of the wrong size
+  };
+  for (size_t i = 0; i < corruptions.size(); ++i) {
+    KvProfile bad = p;
+    corruptions[i](bad.codecs[1]);
+    const std::string bad_path = path + ".bad" + std::to_string(i);
+    bad.save(bad_path);
+    try {
+      KvProfile::load(bad_path);
+      ADD_FAILURE() << "accepted corruption " << i;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(bad_path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("corrupt codec"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

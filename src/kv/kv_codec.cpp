@@ -676,6 +676,34 @@ void VqCodec::load(std::istream& in) {
         throw InputError("KV profile: corrupt codebook");
     }
   }
+  check_layout();
+}
+
+void VqCodec::check_layout() const {
+  auto fail = [](const std::string& what) { throw InputError("KV profile: corrupt codec (" + what + ")"); };
+  if (kind != "vq" && kind != "fp8" && kind != "kivi" && kind != "bf16") fail("kind '" + kind + "'");
+  if (d < 1 || d > 256) fail("head dim " + std::to_string(d));
+  if (kind == "kivi" && (kivi_bits < 1 || kivi_bits > 8 || kivi_group < 1)) fail("kivi bits or group");
+  if (kind != "vq") return;
+  if (!rot.empty() && rot.size() != size_t(d) * d) fail("rotation size");
+  if (!mean.empty() && mean.size() != size_t(d)) fail("mean size");
+  if (anchor_scale.size() != anchors.size()) fail("anchor scales");
+  // Anchors and residual channels are every channel once (decoding writes each exactly once).
+  std::vector<int> seen(size_t(d), 0);
+  for (const auto* list : {&anchors, &rest})
+    for (int ch : *list) {
+      if (ch < 0 || ch >= d || seen[size_t(ch)]++) fail("channel " + std::to_string(ch));
+    }
+  if (anchors.size() + rest.size() != size_t(d)) fail("channels do not cover the head");
+  // Each stage's slots cut the residual channels in order (the first stage assigns every one).
+  for (const auto& st : stages) {
+    int next = 0;
+    for (const VqSlot& s : st) {
+      if (s.c0 != next || s.len < 1) fail("slot layout");
+      next += s.len;
+    }
+    if (next != int(rest.size())) fail("slots do not cover the residual channels");
+  }
 }
 
 }  // namespace tiermoe

@@ -94,7 +94,11 @@ struct VqCodec {
   void unrotate(const float* y, float* x) const;
 
   void save(std::ostream& out) const;
-  void load(std::istream& in);
+  void load(std::istream& in);  // throws InputError on a corrupt codec (check_layout)
+  // Throws InputError unless the fields describe a codec decode can run on: known kind, head dim
+  // <= 256, sizes that match it, every channel an anchor or a residual channel exactly once, and
+  // each stage's slots cutting the residual channels in order.
+  void check_layout() const;
 };
 
 template <class NextCode>

@@ -50,12 +50,19 @@ void decode_slot(const std::vector<uint8_t>& codes, size_t off, int P, const VqS
                  float* yt) {
   const int b = slot.bits;
   if (slot.len == 1 && P == 16 && b <= 4 && off % 8 == 0 && off / 8 + 8 <= codes.size()) {
-    const float* book = slot.book.data();  // 2^b codewords: the lanes past them are not read
-    const __m256i in_book = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 lo = _mm256_maskload_ps(book, in_book), hi = b == 4 ? _mm256_loadu_ps(book + 8) : lo;
+    // Per width b: token t's shift t * b, and the codebook lanes that exist (2^b, at most 8 here).
+    alignas(32) static constexpr int32_t kShift[5][8] = {{0, 0, 0, 0, 0, 0, 0, 0},       {0, 1, 2, 3, 4, 5, 6, 7},
+                                                         {0, 2, 4, 6, 8, 10, 12, 14},    {0, 3, 6, 9, 12, 15, 18, 21},
+                                                         {0, 4, 8, 12, 16, 20, 24, 28}};
+    alignas(32) static constexpr int32_t kInBook[5][8] = {{-1, 0, 0, 0, 0, 0, 0, 0},      {-1, -1, 0, 0, 0, 0, 0, 0},
+                                                          {-1, -1, -1, -1, 0, 0, 0, 0},   {-1, -1, -1, -1, -1, -1, -1, -1},
+                                                          {-1, -1, -1, -1, -1, -1, -1, -1}};
+    const float* book = slot.book.data();  // lanes past its 2^b codewords are not read
+    const __m256 lo = _mm256_maskload_ps(book, _mm256_load_si256(reinterpret_cast<const __m256i*>(kInBook[b]))),
+                 hi = b == 4 ? _mm256_loadu_ps(book + 8) : lo;
     uint64_t w;
     std::memcpy(&w, codes.data() + off / 8, 8);
-    const __m256i shift = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(b));
+    const __m256i shift = _mm256_load_si256(reinterpret_cast<const __m256i*>(kShift[b]));
     const __m256i mask = _mm256_set1_epi32((1 << b) - 1);
     float* dst = yt + size_t(rest[slot.c0]) * 16;
     for (int half = 0; half < 2; ++half) {  // tokens 8 * half .. 8 * half + 7
@@ -76,6 +83,36 @@ void decode_slot(const std::vector<uint8_t>& codes, size_t off, int P, const VqS
       y = first ? cw[l] : y + cw[l];
     }
   }
+}
+
+// out[P, Dh] = yt[Dh, P] transposed, by 8 x 8 blocks in registers where both are multiples of 8.
+void transpose_page(const float* yt, int Dh, int P, float* out) {
+  if (Dh % 8 != 0 || P % 8 != 0) {
+    for (int r = 0; r < Dh; ++r)
+      for (int t = 0; t < P; ++t) out[size_t(t) * Dh + r] = yt[size_t(r) * P + t];
+    return;
+  }
+  for (int r0 = 0; r0 < Dh; r0 += 8)
+    for (int t0 = 0; t0 < P; t0 += 8) {
+      __m256 a[8], b[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(yt + size_t(r0 + i) * P + t0);
+      for (int i = 0; i < 8; i += 2) {
+        b[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        b[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; ++j) {
+          a[i + j] = _mm256_shuffle_ps(b[i + j], b[i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+          a[i + j + 2] = _mm256_shuffle_ps(b[i + j], b[i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+      // a[0]: tokens 0, 4 of rows 0-3 / 4-7 in lanes; a[2]: 1, 5; a[1]: 2, 6; a[3]: 3, 7 (and a[4..7])
+      const int order[4] = {0, 2, 1, 3};
+      for (int k = 0; k < 4; ++k) {
+        const __m256 lo = a[order[k]], hi = a[4 + order[k]];
+        _mm256_storeu_ps(out + size_t(t0 + k) * Dh + r0, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(out + size_t(t0 + k + 4) * Dh + r0, _mm256_permute2f128_ps(lo, hi, 0x31));
+      }
+    }
 }
 
 bool is_vq(const StreamCodecs& c) { return c[0].kind == "vq"; }
@@ -254,8 +291,7 @@ void decode_page(const PageStore& pg, const StreamCodecs& c, const PageGeometry&
       for (int r : cd.rest) yt[size_t(r) * P + t] *= norm;
     }
   if (in_basis) {
-    for (int r = 0; r < Dh; ++r)
-      for (int t = 0; t < P; ++t) out[size_t(t) * Dh + r] = yt[size_t(r) * P + t];
+    transpose_page(yt, Dh, P, out);
   } else {
     uint8_t constant[256];
     cd.constant_channels(stages, constant);
