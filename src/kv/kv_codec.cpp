@@ -551,7 +551,7 @@ void VqCodec::from_basis_rows(const float* y, int n, float* x, const uint8_t* co
 void VqCodec::constant_channels(int n, uint8_t* constant) const {
   std::fill_n(constant, d, uint8_t(0));
   if (kind != "vq" || token_norm) return;
-  std::vector<int> bits(rest.size(), 0);
+  int bits[256] = {};  // per residual channel (rest.size() <= d <= 256); runs per decoded page
   for (int s = 0; s < n && s < n_stages(); ++s)
     for (const VqSlot& slot : stages[size_t(s)])
       for (int l = 0; l < slot.len; ++l) bits[size_t(slot.c0 + l)] += slot.bits;
