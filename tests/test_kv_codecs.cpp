@@ -255,6 +255,29 @@ TEST(KvPage, DecodedPagesEqualTokensDecodedOneAtATime) {
     }
 }
 
+// Scalar k-means finds each point's centroid by a walk; it must give the full scan's centroids
+// bit for bit: Gaussian data, repeated values (equal quantiles, so equal centroids and empty
+// clusters), a far outlier (distances that round equal), a narrow cluster, K from 1 to 256.
+TEST(KvCodec, ScalarKmeansWalkEqualsFullScan) {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  for (int data = 0; data < 4; ++data)
+    for (int K : {1, 2, 4, 16, 64, 256}) {
+      const int N = 3000;
+      std::vector<float> x(static_cast<size_t>(N));
+      for (int i = 0; i < N; ++i) {
+        const float g = nd(rng);
+        x[size_t(i)] = data == 0   ? g
+                       : data == 1 ? std::round(g * 2) / 2                        // 13 or so distinct values
+                       : data == 2 ? (i == 7 ? 3e7f : g)                           // one far outlier
+                                   : (i % 3 ? 1.f + 1e-6f * float(i % 50) : g);  // a narrow cluster
+      }
+      const float w = 0.37f;
+      const auto walk = kmeans(x, N, 1, K, &w, 3, 30), scan = kmeans(x, N, 1, K, &w, 3, 30, true);
+      ASSERT_EQ(walk, scan) << "data " << data << " K " << K;
+    }
+}
+
 TEST(KvCodec, KiviRoundTripWithinHalfAStep) {
   const int P = 32, Dh = 64;
   auto x = keys_like(P, Dh, 3);

@@ -103,8 +103,10 @@ int nearest(const VqSlot& s, const float* r, const float* w) {
   return best;
 }
 
-// k-means of rows x[N, len] (weighted distance) into K centroids, deterministic for a seed.
-std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, const float* w, uint64_t seed, int iters) {
+}  // namespace
+
+std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, const float* w, uint64_t seed, int iters,
+                          bool full_scan) {
   std::vector<float> c(size_t(K) * len, 0.f);
   if (N == 0) return c;
   if (len == 1) {  // quantile initialization
@@ -124,15 +126,43 @@ std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, co
   std::vector<int> assign(static_cast<size_t>(N));
   std::vector<double> sum(size_t(K) * len);
   std::vector<int> cnt(static_cast<size_t>(K));
+  auto nearest_centroid = [&](const float* xi) {  // the first centroid at the least distance
+    int best = 0;
+    float bd = INFINITY;
+    for (int k = 0; k < K; ++k) {
+      const float dd = dist(xi, c.data() + size_t(k) * len, w, len);
+      if (dd < bd) bd = dd, best = k;
+    }
+    return best;
+  };
+  // Scalar slots: with ascending centroids a point's distances fall, then rise, along k, so its
+  // nearest centroid is found by walking from the previous point's, the points in ascending order
+  // (a few distances per point instead of K). The walk's answer is kept only where it is provably
+  // nearest_centroid's (the centroid before it strictly farther); otherwise the full scan.
+  std::vector<int> ascending;
+  if (len == 1 && !full_scan) {
+    ascending.resize(size_t(N));
+    std::iota(ascending.begin(), ascending.end(), 0);
+    std::sort(ascending.begin(), ascending.end(), [&](int a, int b) { return x[size_t(a)] < x[size_t(b)]; });
+  }
   for (int it = 0; it < iters; ++it) {
-    for (int i = 0; i < N; ++i) {
-      int best = 0;
-      float bd = INFINITY;
-      for (int k = 0; k < K; ++k) {
-        const float dd = dist(x.data() + size_t(i) * len, c.data() + size_t(k) * len, w, len);
-        if (dd < bd) bd = dd, best = k;
+    if (!ascending.empty() && std::is_sorted(c.begin(), c.end())) {
+      int k = 0;
+      for (int i : ascending) {
+        const float* xi = x.data() + i;
+        float dk = dist(xi, c.data() + k, w, 1);
+        for (;;) {  // right past equal distances, to a smaller one
+          int j = k + 1;
+          float dj = 0;
+          while (j < K && (dj = dist(xi, c.data() + j, w, 1)) == dk) ++j;
+          if (j == K || !(dj < dk)) break;
+          k = j, dk = dj;
+        }
+        if (k > 0 && !(dist(xi, c.data() + k - 1, w, 1) > dk)) k = nearest_centroid(xi);
+        assign[size_t(i)] = k;
       }
-      assign[size_t(i)] = best;
+    } else {
+      for (int i = 0; i < N; ++i) assign[size_t(i)] = nearest_centroid(x.data() + size_t(i) * len);
     }
     std::fill(sum.begin(), sum.end(), 0.0);
     std::fill(cnt.begin(), cnt.end(), 0);
@@ -146,6 +176,8 @@ std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, co
   }
   return c;
 }
+
+namespace {
 
 // MSE of Gaussian Lloyd-Max quantization at b bits (unit variance).
 double lloyd_distortion(int b) {

@@ -22,6 +22,13 @@ uint8_t f32_to_fp8_e4m3(float f);  // round to nearest even, saturating at +-448
 // Gaussian Lloyd-Max levels for N(0, 1) with 2^bits levels, ascending.
 std::vector<float> gaussian_lloyd_max(int bits);
 
+// k-means of rows x[N, len] into K centroids (distance weighted by w[len] per dimension), `iters`
+// Lloyd iterations, deterministic for a seed (scalar rows start from quantiles). Each point goes
+// to the first centroid at the least distance; scalar rows find it by a walk over ascending
+// centroids with the same answer as the scan of all K (full_scan: always the scan, for tests).
+std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, const float* w, uint64_t seed, int iters,
+                          bool full_scan = false);
+
 struct VqSlot {
   int c0 = 0, len = 1, bits = 0;  // channels rest[c0 .. c0+len) of the rotated vector
   std::vector<float> book;         // [2^bits, len]
