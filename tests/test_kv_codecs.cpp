@@ -160,8 +160,11 @@ TEST(KvCodec, ChannelsWithoutBitsAreSummedOnce) {
         float norm;
         c.encode(x.data() + size_t(t) * Dh, codes.data(), anc.data(), &norm);
         c.decode(codes.data(), anc.data(), norm, stages, y.data() + size_t(t) * Dh, true);
-        for (int r = 0; r < Dh; ++r)
-          if (constant[size_t(r)]) ASSERT_EQ(y[size_t(t) * Dh + r], y[size_t(r)]) << t << " " << r;
+        for (int r = 0; r < Dh; ++r) {
+          if (constant[size_t(r)]) {
+            ASSERT_EQ(y[size_t(t) * Dh + r], y[size_t(r)]) << t << " " << r;
+          }
+        }
       }
       c.from_basis_rows(y.data(), n, rows.data(), constant.data());
       double err = 0, ref = 0;

@@ -509,8 +509,22 @@ void VqCodec::encode(const float* x, uint16_t* codes, uint8_t* anc, float* norm)
 }
 
 void VqCodec::decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x, bool in_basis) const {
+  float y[256], r[256];
+  std::fill_n(y, d, 0.f);
+  std::fill_n(r, rest.size(), 0.f);
+  for (size_t a = 0; a < anchors.size(); ++a) y[anchors[a]] = fp8_e4m3_to_f32(anc[a]) * anchor_scale[a];
   int ci = 0;
-  decode_with([&](int) { return codes[ci++]; }, anc, norm, n_stages, x, in_basis);
+  for (int s = 0; s < n_stages && s < int(stages.size()); ++s)
+    for (const VqSlot& slot : stages[size_t(s)]) {
+      const float* c = slot.book.data() + size_t(codes[ci++]) * slot.len;
+      for (int l = 0; l < slot.len; ++l) r[slot.c0 + l] += c[l];
+    }
+  for (size_t i = 0; i < rest.size(); ++i) y[rest[i]] = norm * r[i];
+  if (in_basis) {
+    std::copy_n(y, d, x);
+    return;
+  }
+  from_basis(y, 1.f, x);
 }
 
 void VqCodec::from_basis(const float* y, float weight, float* x) const {

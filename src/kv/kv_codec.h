@@ -70,10 +70,6 @@ struct VqCodec {
   // vq: the vector the first n stages of a code stand for; with in_basis, its coordinates y in
   // the rotated basis, before unrotation and the mean (x = from_basis(y)).
   void decode(const uint16_t* codes, const uint8_t* anc, float norm, int n_stages, float* x, bool in_basis = false) const;
-  // The same with the codes read one at a time, in code order, from next_code(bits of the code):
-  // decode_page reads them straight from the packed page, with no array of codes in between.
-  template <class NextCode>
-  void decode_with(NextCode next_code, const uint8_t* anc, float norm, int n_stages, float* x, bool in_basis) const;
   // x = U^T y + weight * mean: a weighted sum of vectors kept in the basis (weights summing to
   // `weight`) brought back with one unrotation instead of one per vector.
   void from_basis(const float* y, float weight, float* x) const;
@@ -107,27 +103,5 @@ struct VqCodec {
   // each stage's slots cutting the residual channels in order.
   void check_layout() const;
 };
-
-template <class NextCode>
-void VqCodec::decode_with(NextCode next_code, const uint8_t* anc, float norm, int n_stages, float* x,
-                          bool in_basis) const {
-  float y[256], r[256];  // only the d (and rest.size()) entries in use are zeroed: this runs per key per step
-  std::fill_n(y, d, 0.f);
-  std::fill_n(r, rest.size(), 0.f);
-  for (size_t a = 0; a < anchors.size(); ++a) y[anchors[a]] = fp8_e4m3_to_f32(anc[a]) * anchor_scale[a];
-  for (int s = 0; s < n_stages && s < int(stages.size()); ++s)
-    for (const VqSlot& slot : stages[size_t(s)]) {
-      const float* c = slot.book.data() + size_t(next_code(slot.bits)) * slot.len;
-      if (slot.len == 1) r[slot.c0] += c[0];  // scalar slots, the common case: no inner loop
-      else
-        for (int l = 0; l < slot.len; ++l) r[slot.c0 + l] += c[l];
-    }
-  for (size_t i = 0; i < rest.size(); ++i) y[rest[i]] = norm * r[i];
-  if (in_basis) {
-    std::copy_n(y, d, x);
-    return;
-  }
-  from_basis(y, 1.f, x);
-}
 
 }  // namespace tiermoe

@@ -237,9 +237,8 @@ void truncate_page_stages(PageStore& pg, const StreamCodecs& c, const PageGeomet
   if (!is_vq(c) || stages >= pg.stages) return;
   std::vector<uint8_t> kept(packed_bytes(c, geo, stages), 0);
   for (int h = 0; h < geo.Hkv; ++h) {
-    const int from = record_bits(c[h], pg.stages), to = record_bits(c[h], stages);
+    const int to = record_bits(c[h], stages);
     const size_t src = head_bit_offset(c, geo, h, pg.stages), dst = head_bit_offset(c, geo, h, stages);
-    (void)from;
     const size_t bits = size_t(geo.P) * size_t(to);  // the head's codes of its first stages are a prefix
     for (size_t b = 0; b < bits; b += 16) {
       const int n = int(std::min<size_t>(16, bits - b));
