@@ -109,10 +109,13 @@ std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, co
                           bool full_scan) {
   std::vector<float> c(size_t(K) * len, 0.f);
   if (N == 0) return c;
+  std::vector<int> ascending;  // scalar rows: the points in ascending order
   if (len == 1) {  // quantile initialization
-    std::vector<float> s(x.begin(), x.begin() + N);
-    std::sort(s.begin(), s.end());
-    for (int k = 0; k < K; ++k) c[size_t(k)] = s[std::min<size_t>(size_t(N) - 1, size_t((k + 0.5) * N / K))];
+    ascending.resize(size_t(N));
+    std::iota(ascending.begin(), ascending.end(), 0);
+    std::sort(ascending.begin(), ascending.end(), [&](int a, int b) { return x[size_t(a)] < x[size_t(b)]; });
+    for (int k = 0; k < K; ++k)
+      c[size_t(k)] = x[size_t(ascending[std::min<size_t>(size_t(N) - 1, size_t((k + 0.5) * N / K))])];
   } else {
     std::mt19937_64 rng(seed);
     std::vector<int> idx(static_cast<size_t>(N));
@@ -139,14 +142,8 @@ std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, co
   // nearest centroid is found by walking from the previous point's, the points in ascending order
   // (a few distances per point instead of K). The walk's answer is kept only where it is provably
   // nearest_centroid's (the centroid before it strictly farther); otherwise the full scan.
-  std::vector<int> ascending;
-  if (len == 1 && !full_scan) {
-    ascending.resize(size_t(N));
-    std::iota(ascending.begin(), ascending.end(), 0);
-    std::sort(ascending.begin(), ascending.end(), [&](int a, int b) { return x[size_t(a)] < x[size_t(b)]; });
-  }
   for (int it = 0; it < iters; ++it) {
-    if (!ascending.empty() && std::is_sorted(c.begin(), c.end())) {
+    if (len == 1 && !full_scan && std::is_sorted(c.begin(), c.end())) {
       int k = 0;
       for (int i : ascending) {
         const float* xi = x.data() + i;

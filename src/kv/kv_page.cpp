@@ -32,16 +32,6 @@ uint32_t get_bits(const uint8_t* buf, size_t off, int n) {
   return (v >> sh) & ((1u << n) - 1);
 }
 
-// get_bits with one unaligned 8-byte load where 8 bytes remain from the field's first byte: the
-// decode loop's read, per code per key at every step.
-inline uint32_t read_bits(const std::vector<uint8_t>& buf, size_t off, int n) {
-  const size_t i = off >> 3;
-  if (i + 8 > buf.size()) return get_bits(buf.data(), off, n);
-  uint64_t w;
-  std::memcpy(&w, buf.data() + i, 8);
-  return uint32_t(w >> (off & 7)) & ((1u << n) - 1);
-}
-
 // One slot's codes for the P tokens of a page, at bit `off`, as codewords into the slot's channels
 // of yt[Dh, P] (channel-major): assigned by the first stage, added by the later ones, in the order
 // VqCodec::decode adds them. 16 tokens of a scalar slot of at most 4 bits (most of them) are one
@@ -94,7 +84,7 @@ void decode_slot(const std::vector<uint8_t>& codes, size_t off, int P, const VqS
     return;
   }
   for (int t = 0; t < P; ++t) {
-    const float* cw = slot.book.data() + size_t(read_bits(codes, off + size_t(t) * size_t(b), b)) * size_t(slot.len);
+    const float* cw = slot.book.data() + size_t(get_bits(codes.data(), off + size_t(t) * size_t(b), b)) * size_t(slot.len);
     for (int l = 0; l < slot.len; ++l) {
       float& y = yt[size_t(rest[slot.c0 + l]) * P + t];
       y = first ? cw[l] : y + cw[l];

@@ -505,6 +505,7 @@ class TieredKvCache final : public KvCache {
     int s0, ae0, ce0, s1, ae1, ce1;
     ranges(L, p0, s0, ae0, ce0);
     ranges(L, p1, s1, ae1, ce1);
+    mid.lo = mid.hi = arch.lo = arch.hi = 0;  // none, unless set below (the rows are reused scratch)
     if (ce1 <= s1) return;
     const bool differs = archive_differs(L, 0) || archive_differs(L, 1);
     mid.lo = differs ? ae0 / P : 0;
@@ -612,7 +613,6 @@ class TieredKvCache final : public KvCache {
     thread_local Decoded scratch[2];
     Decoded &mid = scratch[0], &arch = scratch[1];
     for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
-      mid.lo = mid.hi = arch.lo = arch.hi = 0;
       decode_for_chunk(L, kvh, p0, p0 + T - 1, rope, mid, arch);
       parallel_for(size_t(T) * group, [&](size_t b, size_t e) {
         thread_local std::vector<float> scores;
