@@ -32,6 +32,7 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
     throw InputError("--port must be in 0..65535 (0: any free port), got " + std::to_string(s.port));
   if (s.max_batch < 1) throw InputError("--max-batch must be >= 1");
   if (s.kv_memory_mb < 1) throw InputError("--kv-memory-mb must be >= 1");
+  if (s.prefix_cache_mb < 0) throw InputError("--prefix-cache-mb must be >= 0 (0: off), got " + std::to_string(s.prefix_cache_mb));
   EngineOptions eo = engine_options(c);  // --kv, --kv-config, --kv-profile, --backend as every command
   eo.threads = threads;
   eo.scheduler.max_batch = s.max_batch;
@@ -39,6 +40,7 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   eo.scheduler.step_tokens = s.step_tokens;
   eo.scheduler.overlap = s.overlap;
   eo.scheduler.kv_budget_bytes = size_t(s.kv_memory_mb) << 20;
+  eo.scheduler.prefix_cache_bytes = size_t(s.prefix_cache_mb) << 20;
   auto metrics = std::make_shared<ServerMetrics>();
   eo.observer = metrics;
   Engine engine(eo);

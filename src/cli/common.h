@@ -57,6 +57,7 @@ struct ServeOptions {
   std::string model_name;  // default: the model directory's name
   int max_batch = 64, max_queue = 128, step_tokens = 256;
   int kv_memory_mb = 1024;
+  int prefix_cache_mb = 256;  // SchedulerOptions::prefix_cache_bytes; 0: off
   bool overlap = true;  // decode steps queued ahead (SchedulerOptions::overlap); --no-overlap: one at a time
 };
 

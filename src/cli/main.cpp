@@ -127,6 +127,9 @@ int main(int argc, char** argv) {
   serve->add_option("--max-queue", so.max_queue, "Waiting requests at most (beyond: 429)")->capture_default_str();
   serve->add_option("--step-tokens", so.step_tokens, "Tokens per batched step (decodes + prefill chunks)")->capture_default_str();
   serve->add_option("--kv-memory-mb", so.kv_memory_mb, "KV cache memory admission may reserve")->capture_default_str();
+  serve->add_option("--prefix-cache-mb", so.prefix_cache_mb,
+                    "Finished requests' KV kept for prompts that start with the same tokens, within --kv-memory-mb (0: off)")
+      ->capture_default_str();
   serve->add_flag("--no-overlap{false}", so.overlap,
                   "Run each decode step after the last one's tokens are handed out (default: the next step is "
                   "queued first)");

@@ -43,6 +43,7 @@ SeqStream::Chunk SeqStream::take(std::chrono::milliseconds timeout) {
   c.error = error_;
   c.prompt_tokens = prompt_tokens_;
   c.completion_tokens = completion_tokens_;
+  c.cached_tokens = cached_tokens_;
   return c;
 }
 
@@ -82,6 +83,7 @@ struct Scheduler::Seq {
   size_t reserved = 0;  // KV bytes reserved at admission
   int prefilled = 0;    // prompt tokens already in the cache
   int generated = 0;
+  std::vector<int32_t> ids;  // tokens delivered: the cache holds the prompt, then these as they are fed
   int32_t next = -1;    // the last sampled token, fed at the next step
   Clock::time_point arrival = Clock::now(), last_token;
 
@@ -110,6 +112,7 @@ Scheduler::Scheduler(Backend& backend, const ModelConfig& cfg, const Tokenizer* 
   backend_.forward(ids, *probe, 0, nullptr);
   const KvCache::Stats st = probe->stats();
   bytes_per_token_ = std::max<size_t>(1, size_t(std::ceil((st.held_bytes + st.meta_bytes) / probe_tokens)));
+  if (opts_.prefix_cache_bytes > 0 && probe->copy_prefix(probe->length())) prefix_.emplace(opts_.prefix_cache_bytes);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -156,6 +159,7 @@ std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
 void Scheduler::loop() {
   std::vector<std::unique_ptr<Seq>> running;
   for (;;) {
+    std::vector<Seq*> admitted;
     {
       std::unique_lock lock(mu_);
       if (running.empty()) cv_.wait(lock, [&] { return stop_ || !waiting_.empty(); });
@@ -170,17 +174,20 @@ void Scheduler::loop() {
         }
       }
       // Admission, first come first served: the head waits until its reservation fits (an
-      // empty batch always takes it, so a large request cannot wait forever).
-      while (!waiting_.empty() && int(running.size()) < opts_.max_batch &&
-             (running.empty() || reserved_bytes_ + waiting_.front()->reserved <= opts_.kv_budget_bytes)) {
-        auto& s = waiting_.front();
-        reserved_bytes_ += s->reserved;
-        s->cache = backend_.new_cache();
-        running.push_back(std::move(s));
+      // empty batch always takes it, so a large request cannot wait forever). The prefix cache
+      // gives up what the reservations need.
+      while (!waiting_.empty() && int(running.size()) < opts_.max_batch) {
+        const size_t need = reserved_bytes_ + waiting_.front()->reserved;
+        if (!running.empty() && need > opts_.kv_budget_bytes) break;
+        if (prefix_) prefix_->shrink_to(need <= opts_.kv_budget_bytes ? opts_.kv_budget_bytes - need : 0);
+        reserved_bytes_ += waiting_.front()->reserved;
+        admitted.push_back(waiting_.front().get());
+        running.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
       observer_->on_queue_depth(int64_t(waiting_.size()));
     }
+    for (Seq* s : admitted) admit(*s);
     if (!running.empty()) {
       try {
         step(running);
@@ -222,6 +229,7 @@ void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running)
   for (const auto& s : running)
     for (const auto& [tier, bytes] : kv_bytes_by_tier(*s->cache, g)) kv[tier] += bytes;
   observer_->on_gauges(int64_t(running.size()), kv, reserved_bytes_);
+  if (prefix_) observer_->on_prefix_cache_bytes(prefix_->bytes());
 }
 
 // Hands each sequence its token: streams the text, applies stop ids, stop strings and the length
@@ -255,6 +263,7 @@ void Scheduler::deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t
         reason = stopped ? "stop" : "length";
       }
       s.out->push(text, id, s.generated);
+      s.ids.push_back(id);
       s.next = id;
     }
     if (!reason.empty()) {
@@ -265,9 +274,32 @@ void Scheduler::deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t
   }
 }
 
+// A new sequence's cache: a copy of the longest prefix of its prompt the prefix cache holds (at
+// least a page; the last prompt token is always computed, for its logits), else an empty one.
+void Scheduler::admit(Seq& s) {
+  if (prefix_) {
+    const int n = int(s.req.prompt.size());
+    PrefixCache::Match hit = prefix_->lookup(s.req.prompt, n - 1, page_tokens_);
+    observer_->on_prefix_lookup(n, hit.tokens);
+    if (hit.cache) {
+      s.cache = std::move(hit.cache);
+      s.prefilled = hit.tokens;
+      std::lock_guard lock(s.out->mu_);
+      s.out->cached_tokens_ = hit.tokens;
+    }
+  }
+  if (!s.cache) s.cache = backend_.new_cache();
+}
+
 void Scheduler::retire(std::vector<std::unique_ptr<Seq>>& running, size_t i) {
-  reserved_bytes_ -= running[i]->reserved;
-  running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now
+  Seq& s = *running[i];
+  reserved_bytes_ -= s.reserved;
+  if (prefix_) {  // its cache holds the prompt's first `prefilled` tokens, then the fed ids
+    std::vector<int32_t> tokens(s.req.prompt.begin(), s.req.prompt.begin() + s.prefilled);
+    if (s.decoding()) tokens.insert(tokens.end(), s.ids.begin(), s.ids.end());
+    if (size_t(s.cache->length()) <= tokens.size()) prefix_->retain(tokens, std::move(s.cache));
+  }
+  running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now (or the prefix cache keeps it)
 }
 
 // Retires the finished decoding sequences (next = -1), then tells their callers: only once their KV

@@ -14,12 +14,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "backend/backend.h"
+#include "engine/prefix_cache.h"
 #include "engine/sampler.h"
 #include "model/config.h"
 #include "tokenizer/tokenizer.h"
@@ -38,6 +40,10 @@ struct SchedulerOptions {
   // overlaps_steps): while the batch stays the same, the next step runs on the device while the
   // host streams this one's tokens. false: one step at a time.
   bool overlap = true;
+  // Finished sequences' KV kept for later prompts that start with the same tokens (PrefixCache),
+  // at most these bytes and within kv_budget_bytes beside the reservations; 0: off. For caches
+  // that copy their prefixes (KvCache::copy_prefix; a tiered cache only some of them).
+  size_t prefix_cache_bytes = 0;
 };
 
 struct SeqRequest {
@@ -58,6 +64,7 @@ class SeqStream {
     std::string finish_reason;  // "stop" | "length" | "cancelled" | "error"
     std::string error;          // when finish_reason is "error" (the backend failed)
     int prompt_tokens = 0, completion_tokens = 0;
+    int cached_tokens = 0;  // prompt tokens copied from the prefix cache, not computed
   };
   // Waits until there is something new or the request finished, at most `timeout`.
   Chunk take(std::chrono::milliseconds timeout);
@@ -76,7 +83,7 @@ class SeqStream {
   std::vector<int32_t> pending_ids_;
   bool finished_ = false;
   std::string finish_reason_, error_;
-  int prompt_tokens_ = 0, completion_tokens_ = 0;
+  int prompt_tokens_ = 0, completion_tokens_ = 0, cached_tokens_ = 0;
   std::atomic<bool> cancelled_{false};
 };
 
@@ -98,6 +105,10 @@ class SchedulerObserver {
   virtual void on_next_token(double seconds_since_previous) {}
   virtual void on_finished(double seconds_since_arrival) {}
   virtual void on_cancelled() {}
+  // The prefix cache: at each admission, the prompt's tokens and how many came from the cache;
+  // after every change, the bytes it holds.
+  virtual void on_prefix_lookup(int prompt_tokens, int hit_tokens) {}
+  virtual void on_prefix_cache_bytes(size_t bytes) {}
 };
 
 struct QueueFull : std::runtime_error {
@@ -131,6 +142,7 @@ class Scheduler {
   void step_ahead(std::vector<std::unique_ptr<Seq>>& running);
   void deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t>& ids, std::vector<Finished>& finished,
                int& n_generated);
+  void admit(Seq& s);
   void retire(std::vector<std::unique_ptr<Seq>>& running, size_t i);
   void retire_finished(std::vector<std::unique_ptr<Seq>>& running, const std::vector<Finished>& finished);
   std::vector<Backend::SampleRow> draw_rows(const std::vector<Seq*>& seqs);
@@ -144,6 +156,7 @@ class Scheduler {
   std::shared_ptr<SchedulerObserver> observer_;  // never null (a no-op one when none is given)
   size_t bytes_per_token_ = 0;  // estimate for reservations
   int page_tokens_ = 16;        // reservations round up to the backend's KV pages
+  std::optional<PrefixCache> prefix_;  // when on and the backend's caches copy prefixes; owned by the thread
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -11,9 +11,9 @@ namespace {
 
 class ExactKvCache final : public KvCache {
  public:
-  ExactKvCache(const KvGeometry& g, KvDType dtype)
-      : g_(g), dtype_(dtype == KvDType::F32 ? DType::F32 : DType::BF16), elem_(dtype_size(dtype_)),
-        k_(g.num_layers), v_(g.num_layers), len_(g.num_layers, 0), appended_(g.num_layers, 0) {}
+  ExactKvCache(const KvGeometry& g, DType dtype)
+      : g_(g), dtype_(dtype), elem_(dtype_size(dtype_)), k_(g.num_layers), v_(g.num_layers), len_(g.num_layers, 0),
+        appended_(g.num_layers, 0) {}
 
   void append(int layer, const float* k, const float* v, int T) override {
     const size_t row = size_t(g_.num_kv_heads) * g_.head_dim;
@@ -43,6 +43,18 @@ class ExactKvCache final : public KvCache {
       k_[l].resize(size_t(n) * row);
       v_[l].resize(size_t(n) * row);
     }
+  }
+
+  std::unique_ptr<KvCache> copy_prefix(int n) const override {
+    CHECK(n >= 0 && n <= length());
+    auto copy = std::make_unique<ExactKvCache>(g_, dtype_);
+    const size_t bytes = size_t(n) * g_.num_kv_heads * g_.head_dim * elem_;
+    for (int l = 0; l < g_.num_layers; ++l) {
+      copy->k_[l].assign(k_[l].begin(), k_[l].begin() + ptrdiff_t(bytes));
+      copy->v_[l].assign(v_[l].begin(), v_[l].begin() + ptrdiff_t(bytes));
+      copy->len_[l] = n;
+    }
+    return copy;
   }
 
   Stats stats() const override {
@@ -80,7 +92,7 @@ class ExactKvCache final : public KvCache {
 }  // namespace
 
 std::unique_ptr<KvCache> make_exact_kv_cache(const KvGeometry& g, KvDType dtype) {
-  return std::make_unique<ExactKvCache>(g, dtype);
+  return std::make_unique<ExactKvCache>(g, dtype == KvDType::F32 ? DType::F32 : DType::BF16);
 }
 
 KvDType parse_kv_dtype(const std::string& name) {

@@ -35,6 +35,12 @@ class KvCache {
   // Bytes allocated for tokens' KV data (not counting spare capacity or per-sequence metadata).
   virtual size_t bytes() const = 0;
 
+  // A new cache holding this one's first n tokens (n <= length()) as if only they had been
+  // appended, for a prompt that starts with them (the scheduler's prefix cache); nullptr where
+  // that state cannot be had from this one (a tiered cache fits codecs on the tokens it sees:
+  // only some n qualify) and by default.
+  virtual std::unique_ptr<KvCache> copy_prefix(int n) const { return nullptr; }
+
   // What is stored per tier at the current length, as bits per value (one value = one of
   // the Dh numbers of one token's key or value in one KV head), everything stored per token
   // counted; per-sequence metadata (rotations, codebooks) separately, in bytes.

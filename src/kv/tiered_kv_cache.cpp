@@ -209,6 +209,25 @@ class TieredKvCache final : public KvCache {
     }
   }
 
+  // Exact where the first n tokens alone would have left the same state: all of them, none, or
+  // a prefix after the last fit (no codec fitted on what follows it) whose tokens that must be
+  // exact again still have their rows (truncate's condition). Else nullptr: before its last fit
+  // a cache holds query statistics and codecs of every token it has seen.
+  std::unique_ptr<KvCache> copy_prefix(int n) const override {
+    CHECK(n >= 0 && n <= length());
+    const int P = spec_.page;
+    if (n > 0 && n < length())
+      for (const Layer& L : layers_) {
+        if (!from_profile_ && (int(L.codec.size()) < n_fits_ || n < fit_point(n_fits_ - 1))) return nullptr;
+        int sink, ae, ce;
+        ranges(L, n - 1, sink, ae, ce);
+        if (ce < L.exact_from * P || ae < L.full_from * P) return nullptr;
+      }
+    auto copy = std::make_unique<TieredKvCache>(*this);
+    if (n < length()) copy->truncate(n);
+    return copy;
+  }
+
   // Bytes allocated for tokens: BF16 rows, codes, anchors, norms and scales of every page.
   size_t bytes() const override {
     size_t b = 0;

@@ -159,7 +159,8 @@ struct HttpServer::Impl {
   json usage(const SeqStream::Chunk& c) {
     return {{"prompt_tokens", c.prompt_tokens},
             {"completion_tokens", c.completion_tokens},
-            {"total_tokens", c.prompt_tokens + c.completion_tokens}};
+            {"total_tokens", c.prompt_tokens + c.completion_tokens},
+            {"prompt_tokens_details", {{"cached_tokens", c.cached_tokens}}}};
   }
 
   json choice(bool chat, const std::string& text, const json& finish, bool stream, bool first) {

@@ -86,6 +86,12 @@ std::string ServerMetrics::render() const {
   gauge(out, "tiermoe_cancelled_requests_total", "counter", "Requests dropped because the client went away",
         double(cancelled_total_.load()));
   gauge(out, "tiermoe_scheduler_steps_total", "counter", "Batched forward steps", double(steps_total_.load()));
+  gauge(out, "tiermoe_prefix_cache_queried_tokens_total", "counter", "Prompt tokens of requests admitted with the prefix cache on",
+        double(prefix_queried_tokens_total_.load()));
+  gauge(out, "tiermoe_prefix_cache_hit_tokens_total", "counter", "Prompt tokens copied from the prefix cache instead of computed",
+        double(prefix_hit_tokens_total_.load()));
+  gauge(out, "tiermoe_prefix_cache_bytes", "gauge", "KV bytes the prefix cache holds (finished sequences kept for reuse)",
+        double(prefix_cache_bytes_.load()));
   {
     std::lock_guard lock(mu_);
     gauge(out, "tiermoe_generation_tokens_per_second", "gauge", "Generated tokens per second, recent", tokens_per_second_);

@@ -42,6 +42,11 @@ class ServerMetrics : public SchedulerObserver {
   void on_next_token(double s) override { itl_.observe(s); }
   void on_finished(double s) override { e2e_.observe(s); }
   void on_cancelled() override { ++cancelled_total_; }
+  void on_prefix_lookup(int prompt_tokens, int hit_tokens) override {
+    prefix_queried_tokens_total_ += prompt_tokens;
+    prefix_hit_tokens_total_ += hit_tokens;
+  }
+  void on_prefix_cache_bytes(size_t bytes) override { prefix_cache_bytes_ = int64_t(bytes); }
 
   std::string render() const;
 
@@ -49,6 +54,7 @@ class ServerMetrics : public SchedulerObserver {
   std::atomic<int64_t> queue_depth_{0}, running_{0}, kv_reserved_bytes_{0}, kv_budget_bytes_{0};
   std::atomic<int64_t> prompt_tokens_total_{0}, generation_tokens_total_{0};
   std::atomic<int64_t> cancelled_total_{0}, steps_total_{0};
+  std::atomic<int64_t> prefix_queried_tokens_total_{0}, prefix_hit_tokens_total_{0}, prefix_cache_bytes_{0};
   Histogram ttft_, itl_, e2e_;
 
   mutable std::mutex mu_;  // guards what follows

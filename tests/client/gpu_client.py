@@ -4,7 +4,7 @@ the OpenAI protocol, greedy comparisons, and a transcription of scripts/loadgen.
 prompts, request body and metric definitions). Standard library only.
 
   gpu_client.py smoke URL | ids URL 1,2,3 N CONCURRENT | mixed URL 1,2,3 N | loadgen URL 1,8,32"""
-import http.client, json, os, sys, threading, time, urllib.parse
+import http.client, itertools, json, os, sys, threading, time, urllib.parse
 
 def conn(url):
     u = urllib.parse.urlparse(url)
@@ -132,7 +132,11 @@ def pct(xs, p):
     s = sorted(xs)
     return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
-def lg_one(url, model, i, prompt_tokens, max_tokens):
+# Every request's prompt its own (a run-wide counter), so a prefix cache finds nothing to reuse.
+_lg_sent = itertools.count()
+
+def lg_one(url, model, prompt_tokens, max_tokens):
+    i = next(_lg_sent)
     t0 = time.perf_counter()
     st, ev, times = stream(url, "/v1/completions", {"model": model, "prompt": lg_prompt(i, prompt_tokens),
         "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
@@ -156,8 +160,8 @@ def lg_level(url, model, c, prompt_tokens, max_tokens, per_level=0):
             with lock:
                 if nxt[0] >= total:
                     return
-                i = nxt[0]; nxt[0] += 1
-            r = lg_one(url, model, i, prompt_tokens, max_tokens)
+                nxt[0] += 1
+            r = lg_one(url, model, prompt_tokens, max_tokens)
             with lock:
                 results.append(r)
     t0 = time.perf_counter()
@@ -177,7 +181,7 @@ def loadgen(url, levels, prompt_tokens=128, max_tokens=64):
     model = json.loads(req(url, "GET", "/v1/models")[1])["data"][0]["id"]
     rows = []
     for c in levels:
-        lg_one(url, model, -1, prompt_tokens, max_tokens)  # warm-up
+        lg_one(url, model, prompt_tokens, max_tokens)  # warm-up
         # LOADGEN_PER_LEVEL=N: N requests per level instead of max(8, 4 c) (longer, steadier runs).
         rows.append(lg_level(url, model, c, prompt_tokens, max_tokens, int(os.environ.get("LOADGEN_PER_LEVEL", "0"))))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
