@@ -313,8 +313,9 @@ TEST(Server, KvBytesPerTierOfTheTieredCache) {
   std::filesystem::remove(cfg);
 }
 
-TEST(Server, AdmissionByKvMemoryQueuesThen429) {
-  // 8 MiB of FP32 KV is 512 tokens of tinymix: one request of ~400 positions at a time.
+TEST(Server, KvMemoryPreemptsQueuesThen429) {
+  // 8 MiB of FP32 KV is 512 tokens of tinymix: two requests of ~400 positions start together,
+  // and when they outgrow it the newer one is preempted back to the queue.
   test::ServerProcess srv(model_args({"--kv-memory-mb", "8", "--max-queue", "1"}));
   const int port = srv.port();
   const int fd = test::connect_to(port, 30);
@@ -332,6 +333,7 @@ TEST(Server, AdmissionByKvMemoryQueuesThen429) {
   // B waits for KV memory, not for a batch slot.
   EXPECT_TRUE(test::wait_until([&] { return test::metric(port, "tiermoe_queue_depth") == 1; }, 20s));
   EXPECT_EQ(test::metric(port, "tiermoe_running_sequences"), 1);
+  EXPECT_EQ(test::metric(port, "tiermoe_preemptions_total"), 1);
   auto c = test::post(port, "/v1/completions", greedy("def c():", 400));
   expect_error_body(c, 429, "queue full");
   EXPECT_EQ(c.headers["retry-after"], "1");
@@ -339,6 +341,9 @@ TEST(Server, AdmissionByKvMemoryQueuesThen429) {
   tb.join();
   EXPECT_EQ(b.status, 200) << b.body;
   EXPECT_EQ(json::parse(b.body)["usage"]["completion_tokens"], 400);
+  // Preempted and prefilled again with what it had generated: the text it gets alone.
+  const auto b_alone = test::post(port, "/v1/completions", ignoring_eos(greedy("def b():", 400)));
+  EXPECT_EQ(json::parse(b.body)["choices"][0]["text"], json::parse(b_alone.body)["choices"][0]["text"]);
   EXPECT_EQ(test::post(port, "/v1/completions", greedy("x = 1\n", 3)).status, 200);
 }
 

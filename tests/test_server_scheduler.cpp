@@ -254,5 +254,63 @@ TEST(Scheduler, OverlappedStepsEqualOneStepAtATime) {
   EXPECT_EQ(overlapped.queued_steps(), 0);
 }
 
+// KV memory is counted as sequences grow, not reserved for max_tokens up front: three requests
+// that each fit the budget alone but not together all start; when they outgrow it the newest are
+// preempted (caches freed, back to the queue's head) and later prefilled again with what they
+// had generated. Every request ends with the tokens and text it gets alone, one step at a time
+// and with overlapped steps (which must not queue a step past the budget).
+TEST(Scheduler, PreemptedSequencesResumeWithTheTokensTheyGetAlone) {
+  Engine engine(tinymix());
+  const std::vector<std::string> prompts = {"def add(a, b):\n", "import os\n\n", "class Stack:\n    def "};
+  constexpr int kTokens = 120;
+  struct Counter : CountingObserver {
+    std::atomic<int64_t> preempted{0};
+    void on_preempted() override { ++preempted; }
+  };
+  auto run = [&](Backend& backend, const SchedulerOptions& o, const std::shared_ptr<Counter>& obs) {
+    Scheduler sched(backend, engine.config(), &engine.tokenizer(), o, obs);
+    std::vector<std::shared_ptr<SeqStream>> outs;
+    for (const auto& p : prompts) {
+      SeqRequest r;
+      r.prompt = engine.tokenizer().encode(p);
+      r.sampling.temperature = 0;
+      r.max_tokens = kTokens;
+      outs.push_back(sched.submit(r));
+    }
+    std::vector<std::string> got;
+    for (auto& out : outs) {
+      std::string ids, text, reason;
+      for (bool done = false; !done;) {
+        const SeqStream::Chunk c = out->take(std::chrono::seconds(60));
+        for (int32_t id : c.ids) ids += std::to_string(id) + " ";
+        text += c.text;
+        done = c.finished;
+        reason = c.finish_reason + " " + std::to_string(c.completion_tokens);
+      }
+      got.push_back(ids + "|" + text + "|" + reason);
+    }
+    return got;
+  };
+  std::vector<std::string> alone;
+  {
+    SchedulerOptions o;
+    o.max_batch = 1;
+    alone = run(engine.backend(), o, std::make_shared<Counter>());
+  }
+  const size_t per_token = 8 * 2 * 128 * 2 * 4;  // exact f32 cache: layers x KV heads x Dh x (K, V) x 4 bytes
+  for (bool overlap : {false, true}) {
+    OverlappingBackend backend(engine.backend());
+    SchedulerOptions o;
+    o.kv_budget_bytes = 160 * per_token;  // 10 pages: one request's 125 tokens, not three
+    o.overlap = overlap;
+    auto obs = std::make_shared<Counter>();
+    const auto got = run(backend, o, obs);
+    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], alone[i]) << prompts[i] << " overlap " << overlap;
+    EXPECT_GE(obs->preempted.load(), 1) << overlap;
+    EXPECT_GE(obs->max_running.load(), 2) << overlap;
+    if (overlap) EXPECT_GE(backend.chained, 5);
+  }
+}
+
 }  // namespace
 }  // namespace tiermoe

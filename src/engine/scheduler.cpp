@@ -71,23 +71,27 @@ void SeqStream::finish(const std::string& reason, int completion_tokens, const s
 // ---- Scheduler ----
 
 struct Scheduler::Seq {
-  Seq(SeqRequest r, const Tokenizer* tok) : req(std::move(r)), sampler(req.sampling), stops(req.stop) {
+  Seq(SeqRequest r, const Tokenizer* tok) : req(std::move(r)), context(req.prompt), sampler(req.sampling), stops(req.stop) {
     if (tok) decoder.emplace(*tok);
   }
   SeqRequest req;
+  // What the cache must hold before the next token is sampled: the prompt; after a preemption,
+  // the prompt and every token generated (the last one's logits give the next).
+  std::vector<int32_t> context;
   std::shared_ptr<SeqStream> out = std::make_shared<SeqStream>();
   std::unique_ptr<KvCache> cache;
   Sampler sampler;
   std::optional<StreamDecoder> decoder;  // none: ids only, no text
   StopMatcher stops;
-  size_t reserved = 0;  // KV bytes reserved at admission
-  int prefilled = 0;    // prompt tokens already in the cache
+  int prefilled = 0;    // context tokens already in the cache
   int generated = 0;
   std::vector<int32_t> ids;  // tokens delivered: the cache holds the prompt, then these as they are fed
   int32_t next = -1;    // the last sampled token, fed at the next step
   Clock::time_point arrival = Clock::now(), last_token;
 
-  bool decoding() const { return prefilled == int(req.prompt.size()); }
+  bool decoding() const { return prefilled == int(context.size()); }
+  // Tokens its cache holds after the next step: a decode's one more, a prompt's all of it.
+  size_t next_tokens() const { return decoding() ? size_t(cache->length()) + 1 : context.size(); }
 };
 
 Scheduler::Scheduler(Backend& backend, const ModelConfig& cfg, const Tokenizer* tokenizer, const SchedulerOptions& opts,
@@ -130,6 +134,12 @@ size_t Scheduler::reservation_bytes(size_t prompt_tokens, int max_tokens) const 
   return (tokens + page_tokens_ - 1) / page_tokens_ * page_tokens_ * bytes_per_token_;
 }
 
+size_t Scheduler::kv_in_use(const std::vector<std::unique_ptr<Seq>>& running) const {
+  size_t bytes = 0;
+  for (const auto& s : running) bytes += reservation_bytes(s->next_tokens(), 0);
+  return bytes;
+}
+
 std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
   if (req.prompt.empty()) throw InputError("prompt: empty (at least one token is needed)");
   if (req.max_tokens < 1) throw InputError("max_tokens: must be >= 1, got " + std::to_string(req.max_tokens));
@@ -138,9 +148,9 @@ std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
     throw InputError("prompt: " + std::to_string(req.prompt.size()) + " tokens leave no room to generate in the model's context of " +
                      std::to_string(cfg_.max_position_embeddings));
   auto seq = std::make_unique<Seq>(std::move(req), tokenizer_);  // Sampler validates
-  seq->reserved = reservation_bytes(seq->req.prompt.size(), seq->req.max_tokens);
-  if (seq->reserved > opts_.kv_budget_bytes)
-    throw InputError("the request needs " + std::to_string(seq->reserved) + " bytes of KV cache (prompt + max_tokens), " +
+  const size_t most = reservation_bytes(seq->req.prompt.size(), seq->req.max_tokens);
+  if (most > opts_.kv_budget_bytes)
+    throw InputError("the request needs " + std::to_string(most) + " bytes of KV cache (prompt + max_tokens), " +
                      "more than the budget of " + std::to_string(opts_.kv_budget_bytes) +
                      " (--kv-memory-mb, at most the backend's own KV memory)");
   seq->out->prompt_tokens_ = int(seq->req.prompt.size());
@@ -166,21 +176,20 @@ void Scheduler::loop() {
       if (stop_) break;
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         if ((*it)->out->cancelled()) {
-          (*it)->out->finish("cancelled", 0);
+          (*it)->out->finish("cancelled", (*it)->generated);  // generated: a preempted one's
           observer_->on_cancelled();
           it = waiting_.erase(it);
         } else {
           ++it;
         }
       }
-      // Admission, first come first served: the head waits until its reservation fits (an
-      // empty batch always takes it, so a large request cannot wait forever). The prefix cache
-      // gives up what the reservations need.
+      // Admission, first come first served: the head waits until the running sequences' next
+      // step and its whole context, with a token to spare, fit the budget (an empty batch always
+      // takes it, so a large request cannot wait forever). The prefix cache gives up what they need.
       while (!waiting_.empty() && int(running.size()) < opts_.max_batch) {
-        const size_t need = reserved_bytes_ + waiting_.front()->reserved;
+        const size_t need = kv_in_use(running) + reservation_bytes(waiting_.front()->context.size() + 1, 0);
         if (!running.empty() && need > opts_.kv_budget_bytes) break;
         if (prefix_) prefix_->shrink_to(need <= opts_.kv_budget_bytes ? opts_.kv_budget_bytes - need : 0);
-        reserved_bytes_ += waiting_.front()->reserved;
         admitted.push_back(waiting_.front().get());
         running.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
@@ -198,7 +207,6 @@ void Scheduler::loop() {
         std::vector<std::pair<std::shared_ptr<SeqStream>, int>> failed;
         for (auto& s : running) failed.emplace_back(s->out, s->generated);
         running.clear();
-        reserved_bytes_ = 0;
         publish_gauges(running);
         for (auto& [out, generated] : failed) out->finish("error", generated, e.what());
       }
@@ -228,7 +236,7 @@ void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running)
   KvTierBytes kv{{"all", 0}};
   for (const auto& s : running)
     for (const auto& [tier, bytes] : kv_bytes_by_tier(*s->cache, g)) kv[tier] += bytes;
-  observer_->on_gauges(int64_t(running.size()), kv, reserved_bytes_);
+  observer_->on_gauges(int64_t(running.size()), kv, kv_in_use(running));
   if (prefix_) observer_->on_prefix_cache_bytes(prefix_->bytes());
 }
 
@@ -278,8 +286,8 @@ void Scheduler::deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t
 // least a page; the last prompt token is always computed, for its logits), else an empty one.
 void Scheduler::admit(Seq& s) {
   if (prefix_) {
-    const int n = int(s.req.prompt.size());
-    PrefixCache::Match hit = prefix_->lookup(s.req.prompt, n - 1, page_tokens_);
+    const int n = int(s.context.size());
+    PrefixCache::Match hit = prefix_->lookup(s.context, n - 1, page_tokens_);
     observer_->on_prefix_lookup(n, hit.tokens);
     if (hit.cache) {
       s.cache = std::move(hit.cache);
@@ -293,10 +301,9 @@ void Scheduler::admit(Seq& s) {
 
 void Scheduler::retire(std::vector<std::unique_ptr<Seq>>& running, size_t i) {
   Seq& s = *running[i];
-  reserved_bytes_ -= s.reserved;
-  if (prefix_) {  // its cache holds the prompt's first `prefilled` tokens, then the fed ids
-    std::vector<int32_t> tokens(s.req.prompt.begin(), s.req.prompt.begin() + s.prefilled);
-    if (s.decoding()) tokens.insert(tokens.end(), s.ids.begin(), s.ids.end());
+  if (prefix_) {  // its cache holds the first tokens of the prompt and the ids generated (fed ones)
+    std::vector<int32_t> tokens = s.req.prompt;
+    tokens.insert(tokens.end(), s.ids.begin(), s.ids.end());
     if (size_t(s.cache->length()) <= tokens.size()) prefix_->retain(tokens, std::move(s.cache));
   }
   running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now (or the prefix cache keeps it)
@@ -325,7 +332,8 @@ std::vector<Backend::SampleRow> Scheduler::draw_rows(const std::vector<Seq*>& se
 // the finished one's discarded (its cache is freed with it). Otherwise the queued step is taken
 // and the next call plans afresh.
 void Scheduler::step_ahead(std::vector<std::unique_ptr<Seq>>& running) {
-  bool chain = running.size() == ahead_.size();
+  // (A step past the budget is not chained: the next plain step preempts first.)
+  bool chain = running.size() == ahead_.size() && kv_in_use(running) <= opts_.kv_budget_bytes;
   for (size_t i = 0; chain && i < running.size(); ++i)
     chain = running[i].get() == ahead_[i] && running[i]->decoding() && !running[i]->out->cancelled();
   if (chain) {
@@ -354,6 +362,19 @@ void Scheduler::step_ahead(std::vector<std::unique_ptr<Seq>>& running) {
   retire_finished(running, finished);
 }
 
+void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running) {
+  std::unique_ptr<Seq> s = std::move(running.back());
+  running.pop_back();
+  s->context = s->req.prompt;
+  s->context.insert(s->context.end(), s->ids.begin(), s->ids.end());
+  s->prefilled = 0;
+  s->cache.reset();
+  observer_->on_preempted();
+  std::lock_guard lock(mu_);
+  waiting_.push_front(std::move(s));
+  observer_->on_queue_depth(int64_t(waiting_.size()));
+}
+
 void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   if (!ahead_.empty()) return step_ahead(running);
   for (size_t i = running.size(); i-- > 0;)
@@ -366,6 +387,9 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       out->finish("cancelled", generated);
     }
   if (running.empty()) return;
+  // Out of KV memory for this step: the newest sequences go back to the queue's head, their
+  // caches freed, to be prefilled again (their context now includes what they generated).
+  while (running.size() > 1 && kv_in_use(running) > opts_.kv_budget_bytes) preempt(running);
 
   // Decodes first (one token each), then prompt chunks in arrival order with what is left.
   std::vector<Backend::SeqStep> steps;
@@ -380,9 +404,9 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   int budget = std::max(opts_.step_tokens - n_decode, kMinPrefillChunk);
   for (auto& s : running) {
     if (s->decoding() || budget <= 0) continue;
-    const int n = std::min(budget, int(s->req.prompt.size()) - s->prefilled);
-    const bool last = s->prefilled + n == int(s->req.prompt.size());
-    steps.push_back({std::span(s->req.prompt.data() + s->prefilled, size_t(n)), s->cache.get(), last ? 1 : 0});
+    const int n = std::min(budget, int(s->context.size()) - s->prefilled);
+    const bool last = s->prefilled + n == int(s->context.size());
+    steps.push_back({std::span(s->context.data() + s->prefilled, size_t(n)), s->cache.get(), last ? 1 : 0});
     if (last) with_logits.push_back(s.get());
     s->prefilled += n;
     budget -= n;

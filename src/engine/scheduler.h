@@ -1,7 +1,8 @@
 // Continuous batching, the engine's one decode loop: one thread owns the Backend and, every
 // iteration, runs one forward_sample over all running sequences (one token each when decoding,
-// a chunk of the prompt when prefilling), then admits waiting requests while their KV
-// reservation fits the budget. Callers (Engine::generate, the HTTP server's threads) submit
+// a chunk of the prompt when prefilling), then admits waiting requests while the KV memory
+// they need now fits the budget; when the running sequences outgrow it, the newest are
+// preempted (back to the queue, prefilled again later). Callers (Engine::generate, the HTTP server's threads) submit
 // requests and read their output through a SeqStream; what the loop does is reported to a
 // SchedulerObserver (the server's metrics), so the engine does not depend on the server.
 #pragma once
@@ -33,15 +34,16 @@ struct SchedulerOptions {
   int max_queue = 128;   // waiting requests at most (beyond: QueueFull, HTTP 429)
   int step_tokens = 512;  // tokens per forward_batch (decodes + prefill chunks); 512 = the backends'
                           // pass size, so a lone request runs the same passes as Backend::forward
-  // KV memory admitted sequences may reserve; the scheduler lowers it to the backend's own KV
-  // memory (Backend::kv_capacity_bytes) where that is smaller (options() shows the result).
+  // KV memory the running sequences may hold (their tokens, in whole pages); the scheduler
+  // lowers it to the backend's own KV memory (Backend::kv_capacity_bytes) where that is smaller
+  // (options() shows the result). A request whose prompt + max_tokens could not fit alone is refused.
   size_t kv_budget_bytes = std::numeric_limits<size_t>::max();
   // Decode steps queued ahead where the backend runs them ahead of the host (Backend::
   // overlaps_steps): while the batch stays the same, the next step runs on the device while the
   // host streams this one's tokens. false: one step at a time.
   bool overlap = true;
   // Finished sequences' KV kept for later prompts that start with the same tokens (PrefixCache),
-  // at most these bytes and within kv_budget_bytes beside the reservations; 0: off. For caches
+  // at most these bytes and within kv_budget_bytes beside the running sequences; 0: off. For caches
   // that copy their prefixes (KvCache::copy_prefix; a tiered cache only some of them).
   size_t prefix_cache_bytes = 0;
 };
@@ -99,12 +101,14 @@ class SchedulerObserver {
  public:
   virtual ~SchedulerObserver() = default;
   virtual void on_queue_depth(int64_t waiting) {}
-  virtual void on_gauges(int64_t running, const KvTierBytes& kv, size_t reserved_bytes) {}
+  // kv_in_use: the KV bytes the running sequences hold after their next step (whole pages).
+  virtual void on_gauges(int64_t running, const KvTierBytes& kv, size_t kv_in_use) {}
   virtual void on_step(int prompt_tokens, int generated_tokens) {}
   virtual void on_first_token(double seconds_since_arrival) {}
   virtual void on_next_token(double seconds_since_previous) {}
   virtual void on_finished(double seconds_since_arrival) {}
   virtual void on_cancelled() {}
+  virtual void on_preempted() {}
   // The prefix cache: at each admission, the prompt's tokens and how many came from the cache;
   // after every change, the bytes it holds.
   virtual void on_prefix_lookup(int prompt_tokens, int hit_tokens) {}
@@ -126,7 +130,8 @@ class Scheduler {
   // Throws QueueFull when the queue is full, InputError when the request can never fit.
   std::shared_ptr<SeqStream> submit(SeqRequest req);
 
-  // KV bytes one request reserves (prompt + max_tokens positions).
+  // KV bytes of prompt + max_tokens positions (whole pages, the cache's metadata included): what
+  // a sequence of that many tokens is counted as holding.
   size_t reservation_bytes(size_t prompt_tokens, int max_tokens) const;
   const SchedulerOptions& options() const { return opts_; }
 
@@ -143,6 +148,8 @@ class Scheduler {
   void deliver(const std::vector<Seq*>& seqs, const std::vector<int32_t>& ids, std::vector<Finished>& finished,
                int& n_generated);
   void admit(Seq& s);
+  void preempt(std::vector<std::unique_ptr<Seq>>& running);
+  size_t kv_in_use(const std::vector<std::unique_ptr<Seq>>& running) const;
   void retire(std::vector<std::unique_ptr<Seq>>& running, size_t i);
   void retire_finished(std::vector<std::unique_ptr<Seq>>& running, const std::vector<Finished>& finished);
   std::vector<Backend::SampleRow> draw_rows(const std::vector<Seq*>& seqs);
@@ -162,7 +169,6 @@ class Scheduler {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Seq>> waiting_;
   bool stop_ = false;
-  size_t reserved_bytes_ = 0;  // owned by the scheduler thread
   std::vector<Seq*> ahead_;    // the sequences of the step queued ahead (overlap), in order; owned by the thread
   std::thread thread_;
 };

@@ -45,9 +45,9 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
 
 ServerMetrics::ServerMetrics() : ttft_(latency_buckets()), itl_(latency_buckets()), e2e_(latency_buckets()) {}
 
-void ServerMetrics::on_gauges(int64_t running, const KvTierBytes& kv, size_t reserved_bytes) {
+void ServerMetrics::on_gauges(int64_t running, const KvTierBytes& kv, size_t kv_in_use) {
   running_ = running;
-  kv_reserved_bytes_ = int64_t(reserved_bytes);
+  kv_reserved_bytes_ = int64_t(kv_in_use);
   std::lock_guard lock(mu_);
   for (auto& [tier, bytes] : kv_bytes_) bytes = 0;  // a tier seen once stays, at 0 when empty
   for (const auto& [tier, bytes] : kv) kv_bytes_[tier] = bytes;
@@ -78,13 +78,17 @@ std::string ServerMetrics::render() const {
   std::string out;
   gauge(out, "tiermoe_queue_depth", "gauge", "Requests waiting for admission", double(queue_depth_.load()));
   gauge(out, "tiermoe_running_sequences", "gauge", "Sequences in the running batch", double(running_.load()));
-  gauge(out, "tiermoe_kv_reserved_bytes", "gauge", "KV bytes reserved by admitted sequences (prompt + max_tokens)",
+  gauge(out, "tiermoe_kv_reserved_bytes", "gauge",
+        "KV bytes the running sequences hold after their next step (whole pages), counted against the budget",
         double(kv_reserved_bytes_.load()));
   gauge(out, "tiermoe_kv_budget_bytes", "gauge", "KV bytes admission may reserve", double(kv_budget_bytes_.load()));
   gauge(out, "tiermoe_prompt_tokens_total", "counter", "Prompt tokens prefilled", double(prompt_tokens_total_.load()));
   gauge(out, "tiermoe_generation_tokens_total", "counter", "Tokens generated", double(generation_tokens_total_.load()));
   gauge(out, "tiermoe_cancelled_requests_total", "counter", "Requests dropped because the client went away",
         double(cancelled_total_.load()));
+  gauge(out, "tiermoe_preemptions_total", "counter",
+        "Running sequences sent back to the queue for KV memory (their caches freed, prefilled again later)",
+        double(preemptions_total_.load()));
   gauge(out, "tiermoe_scheduler_steps_total", "counter", "Batched forward steps", double(steps_total_.load()));
   gauge(out, "tiermoe_prefix_cache_queried_tokens_total", "counter", "Prompt tokens of requests admitted with the prefix cache on",
         double(prefix_queried_tokens_total_.load()));

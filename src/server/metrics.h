@@ -36,12 +36,13 @@ class ServerMetrics : public SchedulerObserver {
   void set_kv_budget(size_t bytes) { kv_budget_bytes_ = int64_t(bytes); }
 
   void on_queue_depth(int64_t waiting) override { queue_depth_ = waiting; }
-  void on_gauges(int64_t running, const KvTierBytes& kv, size_t reserved_bytes) override;
+  void on_gauges(int64_t running, const KvTierBytes& kv, size_t kv_in_use) override;
   void on_step(int prompt_tokens, int generated_tokens) override;
   void on_first_token(double s) override { ttft_.observe(s); }
   void on_next_token(double s) override { itl_.observe(s); }
   void on_finished(double s) override { e2e_.observe(s); }
   void on_cancelled() override { ++cancelled_total_; }
+  void on_preempted() override { ++preemptions_total_; }
   void on_prefix_lookup(int prompt_tokens, int hit_tokens) override {
     prefix_queried_tokens_total_ += prompt_tokens;
     prefix_hit_tokens_total_ += hit_tokens;
@@ -53,7 +54,7 @@ class ServerMetrics : public SchedulerObserver {
  private:
   std::atomic<int64_t> queue_depth_{0}, running_{0}, kv_reserved_bytes_{0}, kv_budget_bytes_{0};
   std::atomic<int64_t> prompt_tokens_total_{0}, generation_tokens_total_{0};
-  std::atomic<int64_t> cancelled_total_{0}, steps_total_{0};
+  std::atomic<int64_t> cancelled_total_{0}, steps_total_{0}, preemptions_total_{0};
   std::atomic<int64_t> prefix_queried_tokens_total_{0}, prefix_hit_tokens_total_{0}, prefix_cache_bytes_{0};
   Histogram ttft_, itl_, e2e_;
 
