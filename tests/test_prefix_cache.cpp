@@ -25,11 +25,13 @@ std::vector<float> random_rows(int tokens, int heads, uint32_t seed) {
   return x;
 }
 
-// Appends rows [from, to) of k/v (per layer: the layer's seed) to the cache.
+// Appends rows [from, to) of k/v (per layer: the layer's seed; to <= kRows) to the cache.
+constexpr int kRows = 128;
 void append_rows(KvCache& c, int from, int to) {
+  ASSERT_LE(to, kRows);
   const size_t row = size_t(kGeom.num_kv_heads) * kGeom.head_dim;
   for (int l = 0; l < kGeom.num_layers; ++l) {
-    const auto k = random_rows(64, kGeom.num_kv_heads, 100 + l), v = random_rows(64, kGeom.num_kv_heads, 200 + l);
+    const auto k = random_rows(kRows, kGeom.num_kv_heads, 100 + l), v = random_rows(kRows, kGeom.num_kv_heads, 200 + l);
     c.append(l, k.data() + from * row, v.data() + from * row, to - from);
   }
 }
