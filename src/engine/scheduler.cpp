@@ -369,10 +369,10 @@ void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running) {
   s->context.insert(s->context.end(), s->ids.begin(), s->ids.end());
   s->prefilled = 0;
   s->cache.reset();
-  observer_->on_preempted();
   std::lock_guard lock(mu_);
   waiting_.push_front(std::move(s));
   observer_->on_queue_depth(int64_t(waiting_.size()));
+  observer_->on_preempted();
 }
 
 void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
