@@ -217,12 +217,16 @@ TEST(PrefixCache, LongestMatchLeastRecentlyUsedFirstOut) {
 
 struct PromptCounter : SchedulerObserver {
   std::atomic<int64_t> prefilled{0}, queried{0}, hits{0}, cache_bytes{0};
+  std::atomic<bool> emptied{false};  // the cache held bytes, then none
   void on_step(int p, int) override { prefilled += p; }
   void on_prefix_lookup(int q, int h) override {
     queried += q;
     hits += h;
   }
-  void on_prefix_cache_bytes(size_t b) override { cache_bytes = int64_t(b); }
+  void on_prefix_cache_bytes(size_t b) override {
+    if (b == 0 && cache_bytes.load() > 0) emptied = true;
+    cache_bytes = int64_t(b);
+  }
 };
 
 struct Output {
@@ -323,10 +327,24 @@ TEST(PrefixCache, AdmissionEvictsWhatTheBudgetNeeds) {
   }
   o.kv_budget_bytes -= per_token;  // one token short: the entry goes
   auto counter = std::make_shared<PromptCounter>();
-  Scheduler s(engine.backend(), engine.config(), nullptr, o, counter);
+  {
+    Scheduler s(engine.backend(), engine.config(), nullptr, o, counter);
+    run(s, prompt, 8);
+    EXPECT_EQ(run(s, prompt, 8).cached, 0);
+    EXPECT_EQ(counter->hits.load(), 0);
+  }
+  // A running sequence that grows into the entry's memory takes it too (before any preemption).
+  const auto other = engine.tokenizer().encode("class Matrix:\n    def __init__(self, rows, cols):\n");
+  {
+    Scheduler probe(engine.backend(), engine.config(), nullptr, SchedulerOptions{});
+    o.kv_budget_bytes = probe.reservation_bytes(other.size(), 64);
+  }
+  auto gauge = std::make_shared<PromptCounter>();
+  Scheduler s(engine.backend(), engine.config(), nullptr, o, gauge);
   run(s, prompt, 8);
-  EXPECT_EQ(run(s, prompt, 8).cached, 0);
-  EXPECT_EQ(counter->hits.load(), 0);
+  EXPECT_GT(gauge->cache_bytes.load(), 0);
+  run(s, other, 64);
+  EXPECT_TRUE(gauge->emptied.load());
 }
 
 // With the tiered `default` cache (tinymix's 768-token calibration not reached) a finished

@@ -140,6 +140,14 @@ size_t Scheduler::kv_in_use(const std::vector<std::unique_ptr<Seq>>& running) co
   return bytes;
 }
 
+// Whether the running sequences' next step fits the budget, once the prefix cache has given up
+// what it needs (its entries hold the same memory: the CUDA pool's pages).
+bool Scheduler::next_step_fits(const std::vector<std::unique_ptr<Seq>>& running) {
+  const size_t need = kv_in_use(running);
+  if (prefix_) prefix_->shrink_to(need <= opts_.kv_budget_bytes ? opts_.kv_budget_bytes - need : 0);
+  return need <= opts_.kv_budget_bytes;
+}
+
 std::shared_ptr<SeqStream> Scheduler::submit(SeqRequest req) {
   if (req.prompt.empty()) throw InputError("prompt: empty (at least one token is needed)");
   if (req.max_tokens < 1) throw InputError("max_tokens: must be >= 1, got " + std::to_string(req.max_tokens));
@@ -333,7 +341,7 @@ std::vector<Backend::SampleRow> Scheduler::draw_rows(const std::vector<Seq*>& se
 // and the next call plans afresh.
 void Scheduler::step_ahead(std::vector<std::unique_ptr<Seq>>& running) {
   // (A step past the budget is not chained: the next plain step preempts first.)
-  bool chain = running.size() == ahead_.size() && kv_in_use(running) <= opts_.kv_budget_bytes;
+  bool chain = running.size() == ahead_.size() && next_step_fits(running);
   for (size_t i = 0; chain && i < running.size(); ++i)
     chain = running[i].get() == ahead_[i] && running[i]->decoding() && !running[i]->out->cancelled();
   if (chain) {
@@ -387,9 +395,10 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       out->finish("cancelled", generated);
     }
   if (running.empty()) return;
-  // Out of KV memory for this step: the newest sequences go back to the queue's head, their
-  // caches freed, to be prefilled again (their context now includes what they generated).
-  while (running.size() > 1 && kv_in_use(running) > opts_.kv_budget_bytes) preempt(running);
+  // Out of KV memory for this step: the prefix cache gives up its entries, then the newest
+  // sequences go back to the queue's head, their caches freed, to be prefilled again (their
+  // context now includes what they generated).
+  while (!next_step_fits(running) && running.size() > 1) preempt(running);
 
   // Decodes first (one token each), then prompt chunks in arrival order with what is left.
   std::vector<Backend::SeqStep> steps;
