@@ -53,6 +53,7 @@ class KvPagePool {
 
   bf16* k(int layer) const { return k_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
   bf16* v(int layer) const { return v_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
+  size_t layer_values() const { return size_t(pages_) * cuda::kKvPageRows * row_; }  // one layer's pool
   int pages() const { return pages_; }
   int free_pages() const { return int(free_.size()); }
   // n more pages, or an error naming the pool's size (and nothing taken).
@@ -132,6 +133,17 @@ class CudaKvCache final : public KvCache {
     CUDA_CK(cudaStreamSynchronize(stream_));
   }
   int length() const override { return lens_.empty() ? 0 : lens_.back(); }
+  // A new sequence holding the first n rows: pages from the pool, this one's copied on the device
+  // (whole pages; rows past n in the last are overwritten by the copy's appends).
+  std::unique_ptr<KvCache> copy_prefix(int n) const override {
+    CHECK(n >= 0 && n <= length());
+    auto copy = std::make_unique<CudaKvCache>(g_, pool_, max_cap_, stream_, attention_);
+    copy->reserve(n);
+    CUDA_CK(cuda::kv_copy_pages(pool_.k(0), pool_.v(0), pool_.layer_values(), g_.num_layers, copy->table_, table_,
+                                int(copy->pages_.size()), int(row_), stream_));
+    for (int l = 0; l < g_.num_layers; ++l) copy->lens_[l] = n;
+    return copy;
+  }
   // Pages past n go back to the pool (the device table's stale entries past n are never read).
   void truncate(int n) override {
     for (int l = 0; l < g_.num_layers; ++l) {
@@ -145,7 +157,8 @@ class CudaKvCache final : public KvCache {
       pages_.resize(keep);
     }
   }
-  size_t bytes() const override { return size_t(length()) * row_ * 2 * 2 * size_t(g_.num_layers); }
+  // The pages held (whole pages: what the pool has handed out, as the scheduler counts them).
+  size_t bytes() const override { return pages_.size() * cuda::kKvPageRows * row_ * 2 * 2 * size_t(g_.num_layers); }
 
  private:
   void upload_positions(int first, int T) {

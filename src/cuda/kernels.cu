@@ -160,6 +160,20 @@ __global__ void kv_append_kernel(KvPages kv, const float* k, const float* v, con
   }
 }
 
+// grid (pages, layers): one block copies one page of K and of V, 16 bytes per load (a page is
+// kKvPageRows * row BF16 values: a multiple of 64 bytes, at a multiple of 128 in the pool).
+__global__ void kv_copy_pages_kernel(bf16* k, bf16* v, size_t layer_stride, const int32_t* dst_table,
+                                     const int32_t* src_table, size_t page_values) {
+  const size_t layer = size_t(blockIdx.y) * layer_stride, n16 = page_values / 8;
+  const size_t from = layer + size_t(src_table[blockIdx.x]) * page_values, to = layer + size_t(dst_table[blockIdx.x]) * page_values;
+  const uint4 *sk = reinterpret_cast<const uint4*>(k + from), *sv = reinterpret_cast<const uint4*>(v + from);
+  uint4 *dk = reinterpret_cast<uint4*>(k + to), *dv = reinterpret_cast<uint4*>(v + to);
+  for (size_t i = threadIdx.x; i < n16; i += blockDim.x) {
+    dk[i] = sk[i];
+    dv[i] = sv[i];
+  }
+}
+
 constexpr int kAttnWarps = 4;
 constexpr int kAttnJ = kAttnMaxDh / 32;
 
@@ -332,6 +346,14 @@ cudaError_t add_sigmoid_scaled(float* x, const float* y, const float* g, int T, 
 cudaError_t to_bf16(bf16* hi, bf16* lo, const float* x, size_t n, cudaStream_t s) {
   to_bf16_kernel<<<grid_for(n), 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(hi), reinterpret_cast<__nv_bfloat16*>(lo),
                                              x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t kv_copy_pages(bf16* k, bf16* v, size_t layer_stride, int layers, const int32_t* dst_table,
+                          const int32_t* src_table, int pages, int row, cudaStream_t s) {
+  if (pages <= 0 || layers <= 0) return cudaSuccess;
+  kv_copy_pages_kernel<<<dim3(pages, layers), 256, 0, s>>>(k, v, layer_stride, dst_table, src_table,
+                                                           size_t(kKvPageRows) * row);
   return cudaGetLastError();
 }
 

@@ -235,6 +235,13 @@ cudaError_t moe_expert_gemm_bf16(float* out, const bf16* in_hi, const bf16* in_l
 // KV cache row pos[t] <- k[t], v[t] in BF16 (row = Hkv*Dh values).
 cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s);
 
+// A sequence's first `pages` pages copied to another's, in every layer: pool page dst_table[i] <-
+// src_table[i] (K and V, kKvPageRows rows of `row` values; the tables in DEVICE memory), layer l's
+// pool at k + l * layer_stride (and v). For the prefix cache (CudaKvCache::copy_prefix).
+//                                                       twin: the same copies on the host (cuda_check)
+cudaError_t kv_copy_pages(bf16* k, bf16* v, size_t layer_stride, int layers, const int32_t* dst_table,
+                          const int32_t* src_table, int pages, int row, cudaStream_t s);
+
 // Causal GQA attention, split over keys: query t (head h) sees cache rows 0 .. pos[t].
 // q[T, H, Dh] -> out[T, H, Dh]. Keys are cut into n_splits chunks of split_len (n_splits *
 // split_len must cover max(pos) + 1); partial[T, H, n_splits, Dh + 2] is scratch.

@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -915,6 +916,34 @@ void prompt_attention_case(int T, int past, int H, int Hkv, int Dh, Run run) {
   run(PromptAttnHost{q, kb, vb, ref}, dout, dq.p, kv, dp.p);
 }
 
+// kv_copy_pages against its twin, the same page copies on the host: a pool of random BF16 values
+// over `layers` layers; a source sequence's `pages` pages (scattered) copied to a destination's
+// (other free pages); every value of the pool must come out as the twin's, bit for bit (the
+// pages not copied to left as they were).
+void check_kv_copy_pages() {
+  struct C { int layers, pool, pages, row; };
+  for (C c : {C{1, 2, 1, 32}, C{3, 10, 4, 4 * 128}, C{2, 9, 3, 8 * 64}, C{4, 33, 16, 2 * 128}, C{1, 64, 32, 4 * 96}}) {
+    const size_t layer = size_t(c.pool) * cu::kKvPageRows * c.row;
+    std::vector<uint16_t> k = bf16_of(randn(layer * c.layers)), v = bf16_of(randn(layer * c.layers));
+    std::vector<int32_t> ids(static_cast<size_t>(c.pool));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    const std::vector<int32_t> src(ids.begin(), ids.begin() + c.pages), dst(ids.begin() + c.pages, ids.begin() + 2 * c.pages);
+    Dev<uint16_t> dk(k), dv(v);
+    Dev<int32_t> ds(src), dd(dst);
+    CK(cu::kv_copy_pages(reinterpret_cast<cu::bf16*>(dk.p), reinterpret_cast<cu::bf16*>(dv.p), layer, c.layers, dd.p,
+                         ds.p, c.pages, c.row, 0));
+    const size_t page = size_t(cu::kKvPageRows) * c.row;
+    for (int l = 0; l < c.layers; ++l)
+      for (int i = 0; i < c.pages; ++i) {
+        std::copy_n(k.begin() + ptrdiff_t(l * layer + src[size_t(i)] * page), page, k.begin() + ptrdiff_t(l * layer + dst[size_t(i)] * page));
+        std::copy_n(v.begin() + ptrdiff_t(l * layer + src[size_t(i)] * page), page, v.begin() + ptrdiff_t(l * layer + dst[size_t(i)] * page));
+      }
+    report(fmt("kv_copy_pages layers=%d pool=%d pages=%d row=%d: the pool exact", c.layers, c.pool, c.pages, c.row),
+           dk.get() == k && dv.get() == v ? 0.0 : 1.0, 0.0);
+  }
+}
+
 void check_attention() {
   struct C { int T, past, H, Hkv, Dh, split; };
   for (C c : {C{1, 0, 4, 2, 16, 256}, C{1, 1000, 32, 4, 128, 256}, C{7, 33, 4, 2, 16, 8}, C{40, 300, 8, 8, 64, 64},
@@ -1665,6 +1694,39 @@ void check_page_pool(const ModelWeights& w, Backend& gpu, const std::vector<int3
              same ? "bit-identical" : "DIFFER", small->kv_capacity_bytes(), o.kv_cache_bytes));
 }
 
+// The prefix cache's copies through the backend (CudaKvCache::copy_prefix): a 150-token sequence
+// A; B = A's first n tokens copied (n = 150: all; 100: a page and a part; 64: one page), then A
+// truncated to n; both take the same 20 tokens, prompt then decode steps, and must give the same
+// logits bit for bit (the same rows in other pages). The copy holds whole pages (bytes()).
+void check_prefix_copy(const ModelConfig& c, Backend& gpu, const std::vector<int32_t>& prompt) {
+  std::vector<int32_t> a(150), more(20);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = prompt[(i * 5 + 1) % prompt.size()];
+  for (size_t i = 0; i < more.size(); ++i) more[i] = prompt[(i * 3 + 2) % prompt.size()];
+  const int V = c.vocab_size;
+  for (int n : {150, 100, 64}) {
+    auto ca = gpu.new_cache();
+    gpu.forward(a, *ca, 0, nullptr);
+    auto cb = ca->copy_prefix(n);
+    const bool whole_pages = cb && cb->length() == n &&
+                             cb->bytes() == size_t(PagedKv::pages_for(n)) * kv_page_bytes(c);
+    ca->truncate(n);
+    std::vector<float> la(size_t(10) * V), lb(la);
+    bool same = cb != nullptr;
+    if (cb) {
+      gpu.forward(std::span(more).first(10), *ca, 10, la.data());
+      gpu.forward(std::span(more).first(10), *cb, 10, lb.data());
+      same = la == lb;
+      for (int s = 10; s < 20 && same; ++s) {  // decode steps (captured graphs)
+        gpu.forward(std::span(more).subspan(size_t(s), 1), *ca, 1, la.data());
+        gpu.forward(std::span(more).subspan(size_t(s), 1), *cb, 1, lb.data());
+        same = std::memcmp(la.data(), lb.data(), size_t(V) * 4) == 0;
+      }
+    }
+    report(fmt("prefix copy of %d of 150 tokens: then 10 prompt + 10 decode tokens, logits equal to the source's", n),
+           same && whole_pages ? 0.0 : 1.0, 0.0, same ? "bit-identical" : "DIFFER or no copy");
+  }
+}
+
 // With `variant` (its options named in `name`): prefill and greedy decode only.
 void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps,
                  const CudaBackendOptions* variant = nullptr) {
@@ -1725,6 +1787,7 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
     check_model_sampling(name, *w, *cpu, *gpu, prompt, steps, {0.f, 0, 1.f, 7});
   }
   if (name == "tinymix-code") check_page_pool(*w, *gpu, prompt);
+  if (name == "tinymix-code") check_prefix_copy(w->cfg, *gpu, prompt);
 }
 
 }  // namespace
@@ -1993,7 +2056,7 @@ int main(int argc, char** argv) {
         {"gemv", check_gemv}, {"gemv_argmax", check_gemv_argmax}, {"gemv3", check_gemv3}, {"gemv_tc", check_gemv_tc}, {"gemv3_rows", check_gemv3_rows}, {"gemv_unstaged", check_gemv_unstaged},
         {"rmsnorm_rope_misc", check_rmsnorm_rope_misc},
         {"route", check_route}, {"moe_route", check_moe_route}, {"moe_routed", check_moe_routed}, {"moe", check_moe}, {"moe_grouped", check_moe_grouped},
-        {"moe_prefill", check_moe_prefill}, {"attention", check_attention},
+        {"moe_prefill", check_moe_prefill}, {"kv_copy_pages", check_kv_copy_pages}, {"attention", check_attention},
         {"attention_prefill", check_attention_prefill},
         {"attention_prefill_decode", check_attention_prefill_decode},
         {"attention_prefill_decode_rows", check_attention_prefill_decode_rows}, {"attention_decode", check_attention_decode},
