@@ -140,6 +140,7 @@ cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const f
 void set_moe_gate_up_stream(int blocks_per_sm);
 // The decode MoE's top-k (gate/up and down of T <= 8) past 64 experts by one warp (default) or by the whole block. For A/B timing.
 void set_moe_warp_topk(bool on);
+bool moe_warp_topk();
 // gemv() / gemv_argmax() of one token, plain or normed, not accumulating, K % 2048 == 0, more rows
 // than 16 per SM (the LM head): as a stream (default) or by rows. For A/B timing.
 void set_gemv_stream(bool on);

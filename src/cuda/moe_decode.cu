@@ -370,6 +370,7 @@ cudaError_t moe_gate_up_routed(float* act, int32_t* ids, float* weights, const f
 
 void set_moe_gate_up_stream(int blocks_per_sm) { g_gate_up_stream = std::clamp(blocks_per_sm, 0, kStreamBlocksPerSm); }
 void set_moe_warp_topk(bool on) { g_warp_topk = on; }
+bool moe_warp_topk() { return g_warp_topk; }
 
 namespace {
 // moe_down's shapes: rows per warp NR (4 or 2; 16-byte loads per row per round 8 / NR), 4 blocks per

@@ -7,6 +7,7 @@
 // ascending order, and an expert's 16 rows go against all 8 token columns as MMAs (gemv_tc.cuh),
 // the tokens that did not choose it weighted by 0.
 #include "cuda/gemv_tc.cuh"
+#include "cuda/kernels.h"
 #include "cuda/route.cuh"
 
 #include <algorithm>
@@ -30,9 +31,14 @@ struct TcRouteShared {
 };
 
 // All threads of the block, after sh.lg holds the logit sums [T, E]: every token's experts ranked
-// (select_topk), the distinct ones listed ascending in sh.experts with sh.rank_of; returns how many.
-__device__ int list_experts(TcRouteShared& sh, int T, int E, int K) {
-  select_topk(sh.ids, sh.lg, E, K, T);
+// (select_topk; past 64 experts warp t ranks token t, select_topk_warp, unless warp_topk is off),
+// the distinct ones listed ascending in sh.experts with sh.rank_of; returns how many.
+__device__ int list_experts(TcRouteShared& sh, int T, int E, int K, bool warp_topk) {
+  static_assert(kTcCols <= kWarps, "a warp per token");
+  const int w = threadIdx.x >> 5;
+  if (!warp_topk || E <= 64) select_topk(sh.ids, sh.lg, E, K, T);
+  else if (w < T && E <= 128) select_topk_warp<4>(sh.ids + w * K, sh.lg + w * E, E, K);
+  else if (w < T) select_topk_warp<8>(sh.ids + w * K, sh.lg + w * E, E, K);
   __syncthreads();
   // Thread e: whether any token chose expert e, and its place among the chosen (ballots in warp order).
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
@@ -77,11 +83,11 @@ __device__ void read_logits(TcRouteShared& sh, const long long* acc, int T, int 
 __global__ void __launch_bounds__(kWarps * 32, 1) moe_down_tc_kernel(float* __restrict__ x, const float* act,
                                                                      const bf16* __restrict__ Wd, const float* weights,
                                                                      const long long* acc, int T, int E, int K, int D,
-                                                                     int F) {
+                                                                     int F, bool warp_topk) {
   __shared__ TcRouteShared sh;
   read_logits(sh, acc, T, E);
   __syncthreads();
-  const int U = list_experts(sh, T, E, K);
+  const int U = list_experts(sh, T, E, K, warp_topk);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, qi = lane & 3;
   const int G = gridDim.x, b = blockIdx.x, Fw = F / kWarps, k0 = warp * Fw + 8 * qi, chunks = Fw / kTcChunk;
   const int rounds = (chunks + kDownChunks - 1) / kDownChunks, per_item = U * rounds, nD = (D + kTcRows - 1) / kTcRows;
@@ -237,7 +243,8 @@ cudaError_t moe_down_tc(float* x, const float* act, const bf16* Wd, const float*
                : 1;
   }();
   const int blocks = std::min((D + kTcRows - 1) / kTcRows, per_sm * sm_count());
-  return launch(moe_down_tc_kernel, blocks, kWarps * 32, smem, s, x, act, Wd, weights, acc, T, E, K, D, F);
+  return launch(moe_down_tc_kernel, blocks, kWarps * 32, smem, s, x, act, Wd, weights, acc, T, E, K, D, F,
+                moe_warp_topk());
 }
 
 }  // namespace tiermoe::cuda
