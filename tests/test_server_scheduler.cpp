@@ -308,7 +308,9 @@ TEST(Scheduler, PreemptedSequencesResumeWithTheTokensTheyGetAlone) {
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], alone[i]) << prompts[i] << " overlap " << overlap;
     EXPECT_GE(obs->preempted.load(), 1) << overlap;
     EXPECT_GE(obs->max_running.load(), 2) << overlap;
-    if (overlap) EXPECT_GE(backend.chained, 5);
+    if (overlap) {
+      EXPECT_GE(backend.chained, 5);
+    }
   }
 }
 

@@ -90,6 +90,12 @@ struct Scheduler::Seq {
   Clock::time_point arrival = Clock::now(), last_token;
 
   bool decoding() const { return prefilled == int(context.size()); }
+  // The prompt, then every token delivered.
+  std::vector<int32_t> history() const {
+    std::vector<int32_t> t = req.prompt;
+    t.insert(t.end(), ids.begin(), ids.end());
+    return t;
+  }
   // Tokens its cache holds after the next step: a decode's one more, a prompt's all of it.
   size_t next_tokens() const { return decoding() ? size_t(cache->length()) + 1 : context.size(); }
 };
@@ -140,10 +146,9 @@ size_t Scheduler::kv_in_use(const std::vector<std::unique_ptr<Seq>>& running) co
   return bytes;
 }
 
-// Whether the running sequences' next step fits the budget, once the prefix cache has given up
-// what it needs (its entries hold the same memory: the CUDA pool's pages).
-bool Scheduler::next_step_fits(const std::vector<std::unique_ptr<Seq>>& running) {
-  const size_t need = kv_in_use(running);
+// Whether `need` bytes fit the budget, once the prefix cache has given up what they need (its
+// entries hold the same memory: the CUDA pool's pages).
+bool Scheduler::make_room(size_t need) {
   if (prefix_) prefix_->shrink_to(need <= opts_.kv_budget_bytes ? opts_.kv_budget_bytes - need : 0);
   return need <= opts_.kv_budget_bytes;
 }
@@ -197,7 +202,7 @@ void Scheduler::loop() {
       while (!waiting_.empty() && int(running.size()) < opts_.max_batch) {
         const size_t need = kv_in_use(running) + reservation_bytes(waiting_.front()->context.size() + 1, 0);
         if (!running.empty() && need > opts_.kv_budget_bytes) break;
-        if (prefix_) prefix_->shrink_to(need <= opts_.kv_budget_bytes ? opts_.kv_budget_bytes - need : 0);
+        make_room(need);
         admitted.push_back(waiting_.front().get());
         running.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
@@ -310,8 +315,7 @@ void Scheduler::admit(Seq& s) {
 void Scheduler::retire(std::vector<std::unique_ptr<Seq>>& running, size_t i) {
   Seq& s = *running[i];
   if (prefix_) {  // its cache holds the first tokens of the prompt and the ids generated (fed ones)
-    std::vector<int32_t> tokens = s.req.prompt;
-    tokens.insert(tokens.end(), s.ids.begin(), s.ids.end());
+    const std::vector<int32_t> tokens = s.history();
     if (size_t(s.cache->length()) <= tokens.size()) prefix_->retain(tokens, std::move(s.cache));
   }
   running.erase(running.begin() + ptrdiff_t(i));  // frees the KV cache now (or the prefix cache keeps it)
@@ -341,7 +345,7 @@ std::vector<Backend::SampleRow> Scheduler::draw_rows(const std::vector<Seq*>& se
 // and the next call plans afresh.
 void Scheduler::step_ahead(std::vector<std::unique_ptr<Seq>>& running) {
   // (A step past the budget is not chained: the next plain step preempts first.)
-  bool chain = running.size() == ahead_.size() && next_step_fits(running);
+  bool chain = running.size() == ahead_.size() && make_room(kv_in_use(running));
   for (size_t i = 0; chain && i < running.size(); ++i)
     chain = running[i].get() == ahead_[i] && running[i]->decoding() && !running[i]->out->cancelled();
   if (chain) {
@@ -373,8 +377,7 @@ void Scheduler::step_ahead(std::vector<std::unique_ptr<Seq>>& running) {
 void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running) {
   std::unique_ptr<Seq> s = std::move(running.back());
   running.pop_back();
-  s->context = s->req.prompt;
-  s->context.insert(s->context.end(), s->ids.begin(), s->ids.end());
+  s->context = s->history();
   s->prefilled = 0;
   s->cache.reset();
   std::lock_guard lock(mu_);
@@ -398,7 +401,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   // Out of KV memory for this step: the prefix cache gives up its entries, then the newest
   // sequences go back to the queue's head, their caches freed, to be prefilled again (their
   // context now includes what they generated).
-  while (!next_step_fits(running) && running.size() > 1) preempt(running);
+  while (!make_room(kv_in_use(running)) && running.size() > 1) preempt(running);
 
   // Decodes first (one token each), then prompt chunks in arrival order with what is left.
   std::vector<Backend::SeqStep> steps;

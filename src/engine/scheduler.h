@@ -150,7 +150,7 @@ class Scheduler {
   void admit(Seq& s);
   void preempt(std::vector<std::unique_ptr<Seq>>& running);
   size_t kv_in_use(const std::vector<std::unique_ptr<Seq>>& running) const;
-  bool next_step_fits(const std::vector<std::unique_ptr<Seq>>& running);
+  bool make_room(size_t need);
   void retire(std::vector<std::unique_ptr<Seq>>& running, size_t i);
   void retire_finished(std::vector<std::unique_ptr<Seq>>& running, const std::vector<Finished>& finished);
   std::vector<Backend::SampleRow> draw_rows(const std::vector<Seq*>& seqs);

@@ -189,12 +189,7 @@ class TieredKvCache final : public KvCache {
         std::vector<int>().swap(L.sample_pos);
         init_qcov(L);
       }
-      if (n > 0) {  // the tokens that must be exact again still have their rows, and no page is cut short
-        int sink, ae, ce;
-        ranges(L, n - 1, sink, ae, ce);
-        CHECK_MSG(ce >= L.exact_from * P && ae >= L.full_from * P,
-                  "tiered KV cache: truncating into pages that hold only codes (their exact rows are freed)");
-      }
+      CHECK_MSG(rows_held_to(L, n), "tiered KV cache: truncating into pages that hold only codes (their exact rows are freed)");
       L.len = n;
       L.appended = 0;
       const size_t keep = size_t((n + P - 1) / P);
@@ -215,17 +210,22 @@ class TieredKvCache final : public KvCache {
   // a cache holds query statistics and codecs of every token it has seen.
   std::unique_ptr<KvCache> copy_prefix(int n) const override {
     CHECK(n >= 0 && n <= length());
-    const int P = spec_.page;
     if (n > 0 && n < length())
-      for (const Layer& L : layers_) {
-        if (!from_profile_ && (int(L.codec.size()) < n_fits_ || n < fit_point(n_fits_ - 1))) return nullptr;
-        int sink, ae, ce;
-        ranges(L, n - 1, sink, ae, ce);
-        if (ce < L.exact_from * P || ae < L.full_from * P) return nullptr;
-      }
+      for (const Layer& L : layers_)
+        if ((!from_profile_ && (int(L.codec.size()) < n_fits_ || n < fit_point(n_fits_ - 1))) || !rows_held_to(L, n))
+          return nullptr;
     auto copy = std::make_unique<TieredKvCache>(*this);
     if (n < length()) copy->truncate(n);
     return copy;
+  }
+
+  // Whether L cut to n tokens is whole: the tokens that must be exact again still have their rows,
+  // and no page is cut short of the archive's stages.
+  bool rows_held_to(const Layer& L, int n) const {
+    if (n == 0) return true;
+    int sink, ae, ce;
+    ranges(L, n - 1, sink, ae, ce);
+    return ce >= L.exact_from * spec_.page && ae >= L.full_from * spec_.page;
   }
 
   // Bytes allocated for tokens: BF16 rows, codes, anchors, norms and scales of every page.
