@@ -213,6 +213,28 @@ TEST(PrefixCache, LongestMatchLeastRecentlyUsedFirstOut) {
   EXPECT_EQ(pc.bytes(), 0u);
 }
 
+TEST(PrefixCache, KeepsAShorterEntryALongerOneCannotGiveBack) {
+  // A tiered cache before its last fit copies only whole: a finished sequence whose tokens are a
+  // prefix of its tokens is kept beside it, and found.
+  const TieredRun r;
+  auto longer = make_kv_cache(r.g, r.spec), shorter = make_kv_cache(r.g, r.spec);
+  r.feed(*longer, 0, 0, 50, 25);
+  r.feed(*shorter, 0, 0, 40, 20);
+  ASSERT_FALSE(longer->can_copy_prefix(40));
+  PrefixCache pc(size_t(1) << 30);
+  pc.retain(iota(50), std::move(longer));
+  pc.retain(iota(40), std::move(shorter));
+  EXPECT_EQ(pc.entries(), 2u);
+  const PrefixCache::Match m = pc.lookup(iota(45), 44, 1);
+  EXPECT_EQ(m.tokens, 40);
+  ASSERT_TRUE(m.cache);
+  EXPECT_EQ(m.cache->length(), 40);
+  // An exact cache gives any prefix back: its prefix is not kept again.
+  pc.retain(iota(30, 100), cache_of(30));
+  pc.retain(iota(20, 100), cache_of(20));
+  EXPECT_EQ(pc.entries(), 3u);
+}
+
 // ---- through the scheduler (tinymix-code, the exact f32 cache) ----
 
 struct PromptCounter : SchedulerObserver {

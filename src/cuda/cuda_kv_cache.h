@@ -135,8 +135,9 @@ class CudaKvCache final : public KvCache {
   int length() const override { return lens_.empty() ? 0 : lens_.back(); }
   // A new sequence holding the first n rows: pages from the pool, this one's copied on the device
   // (whole pages; rows past n in the last are overwritten by the copy's appends).
+  bool can_copy_prefix(int n) const override { return n >= 0 && n <= length(); }
   std::unique_ptr<KvCache> copy_prefix(int n) const override {
-    CHECK(n >= 0 && n <= length());
+    CHECK(can_copy_prefix(n));
     auto copy = std::make_unique<CudaKvCache>(g_, pool_, max_cap_, stream_, attention_);
     copy->reserve(n);
     CUDA_CK(cuda::kv_copy_pages(pool_.k(0), pool_.v(0), pool_.layer_values(), g_.num_layers, copy->table_, table_,

@@ -24,6 +24,7 @@ void PrefixCache::retain(std::span<const int32_t> tokens, std::unique_ptr<KvCach
     Entry& e = entries_[i];
     const size_t common = common_prefix(e.tokens, tokens);
     if (common == tokens.size()) {  // an entry already holds these tokens (and maybe more)
+      if (!e.cache->can_copy_prefix(int(common))) continue;  // but cannot give them back: keep both
       e.used = ++clock_;
       return;
     }

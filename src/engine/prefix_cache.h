@@ -19,7 +19,8 @@ class PrefixCache {
  public:
   explicit PrefixCache(size_t max_bytes) : max_bytes_(max_bytes) {}
 
-  // Keeps `cache`, whose tokens are tokens[0 .. cache->length()).
+  // Keeps `cache`, whose tokens are tokens[0 .. cache->length()), unless an entry holds those
+  // tokens already and can copy them (KvCache::can_copy_prefix).
   void retain(std::span<const int32_t> tokens, std::unique_ptr<KvCache> cache);
 
   // A copy of the longest prefix of prompt[0 .. max_tokens) that an entry holds and can copy

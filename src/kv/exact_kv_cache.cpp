@@ -45,8 +45,9 @@ class ExactKvCache final : public KvCache {
     }
   }
 
+  bool can_copy_prefix(int n) const override { return n >= 0 && n <= length(); }
   std::unique_ptr<KvCache> copy_prefix(int n) const override {
-    CHECK(n >= 0 && n <= length());
+    CHECK(can_copy_prefix(n));
     auto copy = std::make_unique<ExactKvCache>(g_, dtype_);
     const size_t bytes = size_t(n) * g_.num_kv_heads * g_.head_dim * elem_;
     for (int l = 0; l < g_.num_layers; ++l) {

@@ -40,6 +40,8 @@ class KvCache {
   // that state cannot be had from this one (a tiered cache fits codecs on the tokens it sees:
   // only some n qualify) and by default.
   virtual std::unique_ptr<KvCache> copy_prefix(int n) const { return nullptr; }
+  // Whether copy_prefix(n) would give a cache, without copying.
+  virtual bool can_copy_prefix(int n) const { return false; }
 
   // What is stored per tier at the current length, as bits per value (one value = one of
   // the Dh numbers of one token's key or value in one KV head), everything stored per token

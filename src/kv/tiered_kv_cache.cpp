@@ -206,14 +206,19 @@ class TieredKvCache final : public KvCache {
 
   // Exact where the first n tokens alone would have left the same state: all of them, none, or
   // a prefix after the last fit (no codec fitted on what follows it) whose tokens that must be
-  // exact again still have their rows (truncate's condition). Else nullptr: before its last fit
+  // exact again still have their rows (truncate's condition). Not elsewhere: before its last fit
   // a cache holds query statistics and codecs of every token it has seen.
-  std::unique_ptr<KvCache> copy_prefix(int n) const override {
-    CHECK(n >= 0 && n <= length());
+  bool can_copy_prefix(int n) const override {
+    if (n < 0 || n > length()) return false;
     if (n > 0 && n < length())
       for (const Layer& L : layers_)
         if ((!from_profile_ && (int(L.codec.size()) < n_fits_ || n < fit_point(n_fits_ - 1))) || !rows_held_to(L, n))
-          return nullptr;
+          return false;
+    return true;
+  }
+  std::unique_ptr<KvCache> copy_prefix(int n) const override {
+    CHECK(n >= 0 && n <= length());
+    if (!can_copy_prefix(n)) return nullptr;
     auto copy = std::make_unique<TieredKvCache>(*this);
     if (n < length()) copy->truncate(n);
     return copy;

@@ -3,7 +3,8 @@
 the OpenAI protocol, greedy comparisons, and a transcription of scripts/loadgen.mjs (same
 prompts, request body and metric definitions). Standard library only.
 
-  gpu_client.py smoke URL | ids URL 1,2,3 N CONCURRENT | mixed URL 1,2,3 N | loadgen URL 1,8,32"""
+  gpu_client.py smoke URL | ids URL 1,2,3 N CONCURRENT | mixed URL 1,2,3 N | loadgen URL 1,8,32 |
+                agent URL FILE TURNS"""
 import http.client, itertools, json, os, sys, threading, time, urllib.parse
 
 def conn(url):
@@ -193,8 +194,30 @@ def loadgen(url, levels, prompt_tokens=128, max_tokens=64):
                      f"{t['p50']} / {t['p90']} / {t['p99']} | {i['p50']} / {i['p90']} / {i['p99']} | {r['tpot_ms_p50']} |")
     return {"rows": rows, "table": "\n".join(lines)}
 
+# ---- agent loops: scripts/loadgen.mjs --agent-turns, transcribed (one session) ----
+def agent(url, path, turns, first_chars=6000, turn_chars=400, max_tokens=32):
+    """Each turn resends everything so far (prompt, answers, the next turn_chars of the file):
+    time to first token and the prompt tokens the server took from its prefix cache, by turn."""
+    model = json.loads(req(url, "GET", "/v1/models")[1])["data"][0]["id"]
+    text = open(path, encoding="utf-8").read()
+    at, rows = first_chars, []
+    prompt = text[:at]
+    for t in range(turns):
+        t0 = time.perf_counter()
+        st, ev, times = stream(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
+        if st != 200 or not times:
+            raise RuntimeError(f"HTTP {st}: {ev}")
+        usage = [e for e in ev if e != "[DONE]" and e.get("usage")][-1]["usage"]
+        rows.append({"turn": t, "prompt_tokens": usage["prompt_tokens"],
+                     "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                     "ttft_ms": round((times[0] - t0) * 1000, 1)})
+        prompt += streamed_text(ev) + text[at:at + turn_chars]
+        at += turn_chars
+    return rows
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("smoke", "ids", "mixed", "loadgen"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("smoke", "ids", "mixed", "loadgen", "agent"):
         sys.exit(__doc__.splitlines()[-1].strip())
     cmd, url = sys.argv[1], sys.argv[2]
     if cmd == "smoke":
@@ -207,3 +230,6 @@ if __name__ == "__main__":
         r = loadgen(url, [int(x) for x in sys.argv[3].split(",")])
         print(json.dumps(r["rows"]))
         print(r["table"])
+    elif cmd == "agent":
+        for row in agent(url, sys.argv[3], int(sys.argv[4])):
+            print(json.dumps(row))

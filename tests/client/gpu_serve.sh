@@ -9,7 +9,8 @@
 # The working tree travels too: keep it small (models/tinymix-code/*.xz are not needed).
 # "run" checks greedy CUDA == CPU == transformers on the golden fixture mixtral_oldcfg (alone,
 # streamed, 8 at once, 48 mixed requests at once vs alone; CUDA graphs on and off), the protocol (completions, chat, streaming,
-# errors, metrics) and a c=1/8/32 load on tinymix-code's shapes with --load-format dummy, with
+# errors, metrics), a c=1/8/32 load on tinymix-code's shapes with --load-format dummy, an agent
+# loop with the prefix cache on and off, and preemption under a small --kv-memory-mb, with
 # gpu_client.py (standard-library Python: the machine has no Node).
 set -u
 if [ "${1:-}" = prepare ]; then
@@ -71,4 +72,25 @@ cat $OUT/loadgen.txt
 python3 -c "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8102/metrics').read().decode())" > $OUT/metrics.txt
 kill $P; wait $P; echo "serve exit=$?"
 tail -3 /tmp/s2.log
+
+# 3. The prefix cache on the GPU: an agent loop (each turn resends everything so far) on
+#    tinymix's shapes, the cache on (default) and off; time to first token and cached tokens by turn.
+xz -dc models/tinymix-code/heldout.txt.xz > /tmp/heldout.txt
+for mb in 256 0; do
+  $T serve --model /tmp/tm --backend cuda --load-format dummy --port 8103 --prefix-cache-mb $mb > /tmp/s3.log 2>&1 &
+  P=$!
+  wait_listening /tmp/s3.log && { echo "agent loop, --prefix-cache-mb $mb:";
+    python3 $D/gpu_client.py agent http://127.0.0.1:8103 /tmp/heldout.txt 6; } | tee -a $OUT/agent.txt
+  kill $P; wait $P
+done
+
+# 4. Preemption: a KV budget of 8 pages (4 MB; 8 KB per token at tinymix's shapes, 64-token pages)
+#    for 48 requests of up to 112 tokens sent at once: they queue, sequences crossing a page are
+#    preempted and resumed, and each should still equal the same request alone.
+$T serve --model /tmp/tm --backend cuda --load-format dummy --port 8104 --kv-memory-mb 4 > /tmp/s4.log 2>&1 &
+P=$!
+wait_listening /tmp/s4.log && python3 $D/gpu_client.py mixed http://127.0.0.1:8104 $IDS,$IDS,$IDS 48 | tee $OUT/preempt.txt
+python3 -c "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8104/metrics').read().decode())" |
+  grep -E "^tiermoe_(preemptions|prefix_cache_hit)" | tee -a $OUT/preempt.txt
+kill $P; wait $P; echo "serve exit=$?"
 date -u
