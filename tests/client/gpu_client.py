@@ -4,7 +4,7 @@ the OpenAI protocol, greedy comparisons, and a transcription of scripts/loadgen.
 prompts, request body and metric definitions). Standard library only.
 
   gpu_client.py smoke URL | ids URL 1,2,3 N CONCURRENT | mixed URL 1,2,3 N | loadgen URL 1,8,32 |
-                agent URL FILE TURNS"""
+                agent URL FILE TURNS | long URL FILE CHARS"""
 import http.client, itertools, json, os, sys, threading, time, urllib.parse
 
 def conn(url):
@@ -216,8 +216,33 @@ def agent(url, path, turns, first_chars=6000, turn_chars=400, max_tokens=32):
         at += turn_chars
     return rows
 
+# ---- a long prompt arriving among decoding streams ----
+def long_prompt(url, path, chars, streams=4):
+    """`streams` short streamed requests decoding; 0.5 s in, one prompt of the file's first `chars`
+    characters (1 token out): its time to first token, and the gaps between the short streams'
+    tokens (the steps the long prompt's pieces share with their decodes)."""
+    model = json.loads(req(url, "GET", "/v1/models")[1])["data"][0]["id"]
+    text = open(path, encoding="utf-8").read()[:chars]
+    gaps, out = [], {}
+    def short(i):
+        st, ev, times = stream(url, "/v1/completions", {"model": model, "prompt": lg_prompt(10_000 + i, 64),
+            "max_tokens": 160, "temperature": 0, "stream": True, "ignore_eos": True})
+        gaps.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
+    th = [threading.Thread(target=short, args=(i,)) for i in range(streams)]
+    [t.start() for t in th]
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    st, ev, times = stream(url, "/v1/completions", {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}})
+    out["long_prompt_tokens"] = [e for e in ev if e != "[DONE]" and e.get("usage")][-1]["usage"]["prompt_tokens"]
+    out["long_ttft_ms"] = round((times[0] - t0) * 1000, 1)
+    [t.join() for t in th]
+    f = lambda x: round(x, 1)
+    out["short_itl_ms"] = {"p50": f(pct(gaps, 50)), "p99": f(pct(gaps, 99)), "max": f(max(gaps))}
+    return out
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("smoke", "ids", "mixed", "loadgen", "agent"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("smoke", "ids", "mixed", "loadgen", "agent", "long"):
         sys.exit(__doc__.splitlines()[-1].strip())
     cmd, url = sys.argv[1], sys.argv[2]
     if cmd == "smoke":
@@ -230,6 +255,8 @@ if __name__ == "__main__":
         r = loadgen(url, [int(x) for x in sys.argv[3].split(",")])
         print(json.dumps(r["rows"]))
         print(r["table"])
+    elif cmd == "long":
+        print(json.dumps(long_prompt(url, sys.argv[3], int(sys.argv[4]))))
     elif cmd == "agent":
         for row in agent(url, sys.argv[3], int(sys.argv[4])):
             print(json.dumps(row))

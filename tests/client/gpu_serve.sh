@@ -3,7 +3,7 @@
 # Ubuntu 24.04, no ICU 72, no cpp-httplib, no Node). Two steps:
 #
 #   here:   bash tests/client/gpu_serve.sh prepare BUILD   # BUILD: a CUDA build of tiermoe, best
-#           configured with -DTIERMOE_NATIVE=OFF; fills build-srvdev/ (ignored, ~43 MB)
+#           configured with -DTIERMOE_NATIVE=OFF; fills build-srvdev/ (ignored, ~25 MB, xz-packed)
 #   there:  bash build-srvdev/gpu_serve.sh run            # carry build-srvdev; results in $OUT
 #
 # The working tree travels too: keep it small (models/tinymix-code/*.xz are not needed).
@@ -22,11 +22,14 @@ if [ "${1:-}" = prepare ]; then
     cp -L /lib/x86_64-linux-gnu/$l $D/lib/
   done
   for l in libssl.so.3 libcrypto.so.3; do cp -L /lib/x86_64-linux-gnu/$l $D/lib2/; done  # used only if missing there
+  xz -f -T2 $D/tiermoe $D/lib/libicudata.so.72  # the transfer to the device is capped; "run" unpacks them
   du -sh $D
   exit 0
 fi
 [ "${1:-}" = run ] || { echo "usage: $0 prepare BUILD | run" >&2; exit 2; }
 D=$(cd "$(dirname "$0")" && pwd)
+for f in $D/tiermoe.xz $D/lib/libicudata.so.72.xz; do [ -f $f ] && xz -d -f $f; done
+chmod +x $D/tiermoe
 T=$D/tiermoe
 OUT=${OUT:-/tmp/gpu_serve}
 mkdir -p $OUT
@@ -86,11 +89,28 @@ done
 
 # 4. Preemption: a KV budget of 8 pages (4 MB; 8 KB per token at tinymix's shapes, 64-token pages)
 #    for 48 requests of up to 112 tokens sent at once: they queue, sequences crossing a page are
-#    preempted and resumed, and each should still equal the same request alone.
-$T serve --model /tmp/tm --backend cuda --load-format dummy --port 8104 --kv-memory-mb 4 > /tmp/s4.log 2>&1 &
-P=$!
-wait_listening /tmp/s4.log && python3 $D/gpu_client.py mixed http://127.0.0.1:8104 $IDS,$IDS,$IDS 48 | tee $OUT/preempt.txt
-python3 -c "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8104/metrics').read().decode())" |
-  grep -E "^tiermoe_(preemptions|prefix_cache_hit)" | tee -a $OUT/preempt.txt
-kill $P; wait $P; echo "serve exit=$?"
+#    preempted and resumed, and each should still equal the same request alone. The control: the
+#    same without the budget. (Random weights give near-ties, where batched and lone kernels' sums
+#    may pick different tokens; the prefix cache is off in both.)
+for mb in 4 0; do
+  $T serve --model /tmp/tm --backend cuda --load-format dummy --port 8104 --prefix-cache-mb 0 \
+    $([ $mb -gt 0 ] && echo --kv-memory-mb $mb) > /tmp/s4.log 2>&1 &
+  P=$!
+  wait_listening /tmp/s4.log && echo "--kv-memory-mb $mb: $(python3 $D/gpu_client.py mixed http://127.0.0.1:8104 $IDS,$IDS,$IDS 48)" | tee -a $OUT/preempt.txt
+  python3 -c "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8104/metrics').read().decode())" |
+    grep -E "^tiermoe_preemptions" | tee -a $OUT/preempt.txt
+  kill $P; wait $P; echo "serve exit=$?"
+done
+
+# 5. The step size on a bench shape (Qwen3-30B-A3B's 16 layers, 8192 tokens: tinymix's tokenizer
+#    fits): a ~4,000-token prompt arriving among 4 decoding streams, --step-tokens 256 (default) /
+#    2048, prefix cache off (the rounds send the same prompt): its time to first token and the
+#    streams' inter-token gaps.
+mkdir -p /tmp/q3 && cp configs/qwen3-30b-a3b-L16-v8192.json /tmp/q3/config.json && cp /tmp/tm/tokenizer.json /tmp/q3/
+for st in 256 2048; do
+  $T serve --model /tmp/q3 --backend cuda --load-format dummy --port 8105 --step-tokens $st --prefix-cache-mb 0 > /tmp/s5.log 2>&1 &
+  P=$!
+  wait_listening /tmp/s5.log && for r in 1 2 3 4; do echo "step-tokens $st, round $r: $(python3 $D/gpu_client.py long http://127.0.0.1:8105 /tmp/heldout.txt 13000)"; done | tee -a $OUT/step.txt
+  kill $P; wait $P
+done
 date -u
