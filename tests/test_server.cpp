@@ -134,6 +134,9 @@ TEST(Server, CompletionStreamingModelsHealthMetrics) {
                            "tiermoe_generation_tokens_per_second", "tiermoe_time_to_first_token_seconds_bucket",
                            "tiermoe_inter_token_latency_seconds_bucket", "tiermoe_requests_total{"})
     EXPECT_NE(m.find(name), std::string::npos) << name;
+  const size_t budget = m.find("\ntiermoe_kv_budget_bytes ");
+  ASSERT_NE(budget, std::string::npos);
+  EXPECT_NEAR(std::stod(m.substr(budget + 25)), 1024.0 * (1 << 20), 100);  // the CPU's default, 1024 MB
   EXPECT_EQ(srv.stop(), 0);  // SIGTERM: a clean exit
 }
 
@@ -469,6 +472,8 @@ TEST(Server, BadBackendFlagsEndWithExitCode2NamingTheFlag) {
       {"serve --port 99999" + model, "--port must be in 0..65535"},
       {"serve --port -1" + model, "--port must be in 0..65535"},
       {"serve --port 0 --prefix-cache-mb -1" + model, "--prefix-cache-mb must be >= 0"},
+      {"serve --port 0 --kv-memory-mb -1" + model, "--kv-memory-mb must be >= 0"},
+      {"serve --port 0 --step-tokens -5" + model, "--step-tokens must be >= 0"},
   };
   for (const auto& [args, message] : cases) {
     FILE* p = popen((bin + " " + args + " 2>&1").c_str(), "r");

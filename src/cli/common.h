@@ -55,8 +55,10 @@ struct ServeOptions {
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string model_name;  // default: the model directory's name
-  int max_batch = 64, max_queue = 128, step_tokens = 256;
-  int kv_memory_mb = 1024;
+  int max_batch = 64, max_queue = 128;
+  // 0: by backend (cmd_serve.cpp): 256 tokens and 1024 MB on the CPU; with --backend cuda 2048
+  // tokens (its prompt passes) and the GPU's KV page pool.
+  int step_tokens = 0, kv_memory_mb = 0;
   int prefix_cache_mb = 256;  // SchedulerOptions::prefix_cache_bytes; 0: off
   bool overlap = true;  // decode steps queued ahead (SchedulerOptions::overlap); --no-overlap: one at a time
 };

@@ -125,8 +125,12 @@ int main(int argc, char** argv) {
   serve->add_option("--served-model-name", so.model_name, "Model id for clients (default: the directory's name)");
   serve->add_option("--max-batch", so.max_batch, "Sequences decoded together at most")->capture_default_str();
   serve->add_option("--max-queue", so.max_queue, "Waiting requests at most (beyond: 429)")->capture_default_str();
-  serve->add_option("--step-tokens", so.step_tokens, "Tokens per batched step (decodes + prefill chunks)")->capture_default_str();
-  serve->add_option("--kv-memory-mb", so.kv_memory_mb, "KV cache memory admission may reserve")->capture_default_str();
+  serve->add_option("--step-tokens", so.step_tokens,
+                    "Tokens per batched step (decodes + prefill chunks); 0: 256, or 2048 with --backend cuda")
+      ->capture_default_str();
+  serve->add_option("--kv-memory-mb", so.kv_memory_mb,
+                    "KV cache memory admission may reserve; 0: 1024, or the GPU's KV pool with --backend cuda")
+      ->capture_default_str();
   serve->add_option("--prefix-cache-mb", so.prefix_cache_mb,
                     "Finished requests' KV kept for prompts that start with the same tokens, within --kv-memory-mb (0: off)")
       ->capture_default_str();

@@ -103,8 +103,8 @@ for mb in 4 0; do
 done
 
 # 5. The step size on a bench shape (Qwen3-30B-A3B's 16 layers, 8192 tokens: tinymix's tokenizer
-#    fits): a ~4,000-token prompt arriving among 4 decoding streams, --step-tokens 256 (default) /
-#    2048, prefix cache off (the rounds send the same prompt): its time to first token and the
+#    fits): a ~4,000-token prompt arriving among 4 decoding streams, --step-tokens 256 (the CPU's default) /
+#    2048 (the GPU's), prefix cache off (the rounds send the same prompt): its time to first token and the
 #    streams' inter-token gaps.
 mkdir -p /tmp/q3 && cp configs/qwen3-30b-a3b-L16-v8192.json /tmp/q3/config.json && cp /tmp/tm/tokenizer.json /tmp/q3/
 for st in 256 2048; do
