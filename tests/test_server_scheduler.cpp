@@ -124,6 +124,7 @@ struct BoundedBackend final : Backend {
   BoundedBackend(Backend& b, size_t cap) : inner(b), capacity(cap) {}
   std::string name() const override { return inner.name(); }
   int vocab_size() const override { return inner.vocab_size(); }
+  int pass_tokens() const override { return inner.pass_tokens(); }
   std::unique_ptr<KvCache> new_cache() const override { return inner.new_cache(); }
   void forward_batch(std::span<const SeqStep> steps, float* logits) override { inner.forward_batch(steps, logits); }
   size_t kv_capacity_bytes() const override { return capacity; }
@@ -138,6 +139,7 @@ TEST(Scheduler, BudgetIsBoundedByTheBackendsKvMemory) {
   o.kv_budget_bytes = size_t(1) << 40;
   Scheduler sched(bounded, engine.config(), nullptr, o);
   EXPECT_EQ(sched.options().kv_budget_bytes, 2 * 64 * per_token);
+  EXPECT_EQ(sched.options().step_tokens, engine.backend().pass_tokens());  // the default: the backend's passes
   EXPECT_EQ(sched.reservation_bytes(65, 0), 2 * 64 * per_token);  // two whole pages
   SeqRequest r;
   r.prompt = {1, 2, 3};
@@ -183,6 +185,7 @@ struct OverlappingBackend final : Backend {
   explicit OverlappingBackend(Backend& b) : inner(b) {}
   std::string name() const override { return inner.name(); }
   int vocab_size() const override { return inner.vocab_size(); }
+  int pass_tokens() const override { return inner.pass_tokens(); }
   std::unique_ptr<KvCache> new_cache() const override { return inner.new_cache(); }
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
     if (!in_queue) {

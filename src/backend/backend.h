@@ -31,6 +31,8 @@ class Backend {
   // bound of its own, 16-token pages. The CUDA backend: its page pool, 64-token pages.
   virtual size_t kv_capacity_bytes() const { return std::numeric_limits<size_t>::max(); }
   virtual int kv_page_tokens() const { return 16; }
+  // Tokens per pass through the layers (forward_batch cuts longer steps into passes of this size).
+  virtual int pass_tokens() const = 0;
 
   // One sequence's share of a batched step: its new tokens, its cache, and how many of the
   // last of those tokens need logits (1 when decoding, all when scoring, 0 mid-prompt).

@@ -44,7 +44,7 @@ int run_serve(const CommonOptions& c, const ServeOptions& s) {
   // its prompt pass size (among 4 decoding streams a 4,153-token prompt's first token in 92 ms
   // against 164 at 256, the streams' longest gap about the same; docs/server.md "On the GPU").
   const bool gpu = c.backend == "cuda";
-  eo.scheduler.step_tokens = s.step_tokens > 0 ? s.step_tokens : gpu ? 2048 : 256;
+  eo.scheduler.step_tokens = s.step_tokens > 0 ? s.step_tokens : gpu ? 0 : 256;  // 0: the backend's passes
   eo.scheduler.overlap = s.overlap;
   eo.scheduler.kv_budget_bytes = s.kv_memory_mb > 0 ? size_t(s.kv_memory_mb) << 20
                                  : gpu                ? std::numeric_limits<size_t>::max()

@@ -31,6 +31,7 @@ class CpuBackend final : public Backend {
   }
 
   int vocab_size() const override { return cfg_.vocab_size; }
+  int pass_tokens() const override { return opts_.max_chunk; }
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
     split_into_passes(steps, opts_.max_chunk, cfg_.vocab_size, logits,
                       [&](const std::vector<SeqStep>& pass, float* out) { forward_pass(pass, out); });

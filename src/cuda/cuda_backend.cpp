@@ -157,6 +157,7 @@ class CudaBackend final : public Backend {
   }
   size_t kv_capacity_bytes() const override { return size_t(pool().pages()) * page_bytes(); }
   int kv_page_tokens() const override { return cuda::kKvPageRows; }
+  int pass_tokens() const override { return opts_.max_chunk; }
 
   void forward_batch(std::span<const SeqStep> steps, float* logits) override {
     finish_queued();  // their pinned buffers are free once they are done

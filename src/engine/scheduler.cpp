@@ -106,7 +106,8 @@ Scheduler::Scheduler(Backend& backend, const ModelConfig& cfg, const Tokenizer* 
       observer_(observer ? std::move(observer) : std::make_shared<SchedulerObserver>()) {
   if (opts_.max_batch < 1) throw InputError("--max-batch must be >= 1");
   if (opts_.max_queue < 0) throw InputError("--max-queue must be >= 0");
-  if (opts_.step_tokens < 1) throw InputError("--step-tokens must be >= 1");
+  if (opts_.step_tokens < 0) throw InputError("--step-tokens must be >= 0 (0: the backend's pass size)");
+  if (opts_.step_tokens == 0) opts_.step_tokens = backend.pass_tokens();
   // A backend with KV memory of its own (the CUDA page pool) bounds the budget: admission then
   // never starts more sequences than it can hold.
   opts_.kv_budget_bytes = std::min(opts_.kv_budget_bytes, backend.kv_capacity_bytes());

@@ -32,8 +32,9 @@ namespace tiermoe {
 struct SchedulerOptions {
   int max_batch = 64;    // running sequences at most
   int max_queue = 128;   // waiting requests at most (beyond: QueueFull, HTTP 429)
-  int step_tokens = 512;  // tokens per forward_batch (decodes + prefill chunks); 512 = the CPU
-                          // backend's pass size, so a lone request runs the same passes as Backend::forward
+  // Tokens per forward_batch (decodes + prefill chunks); 0: the backend's pass size (512 on the CPU,
+  // 2048 on the GPU), so that a lone request runs the same passes as Backend::forward.
+  int step_tokens = 0;
   // KV memory the running sequences may hold (their tokens, in whole pages); the scheduler
   // lowers it to the backend's own KV memory (Backend::kv_capacity_bytes) where that is smaller
   // (options() shows the result). A request whose prompt + max_tokens could not fit alone is refused.
