@@ -1786,8 +1786,10 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
     check_model_sampling(name, *w, *cpu, *gpu, prompt, steps);
     check_model_sampling(name, *w, *cpu, *gpu, prompt, steps, {0.f, 0, 1.f, 7});
   }
-  if (name == "tinymix-code") check_page_pool(*w, *gpu, prompt);
-  if (name == "tinymix-code") check_prefix_copy(w->cfg, *gpu, prompt);
+  if (name == "tinymix-code") {
+    check_page_pool(*w, *gpu, prompt);
+    check_prefix_copy(w->cfg, *gpu, prompt);
+  }
 }
 
 }  // namespace
