@@ -12,6 +12,7 @@
 #include "core/dtype.h"
 #include "cpu/ops.h"
 #include "kv/kv_cache.h"
+#include "kv/fp8_rows.h"
 #include "kv/kv_codec.h"
 #include "kv/kv_page.h"
 #include "kv/kv_profile.h"
@@ -65,6 +66,15 @@ TEST(KvCodec, Fp8E4m3RoundTrip) {
   }
   EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(1e6f)), 448.f);  // saturates
   for (float x = 0.02f; x < 440; x *= 1.37f) EXPECT_LE(std::fabs(fp8_e4m3_to_f32(f32_to_fp8_e4m3(x)) - x), x / 16 + 1e-3f);
+}
+
+// Ties go to the even code, as __nv_cvt_float_to_fp8 rounds on the GPU (the FP8 rows' twin).
+TEST(KvCodec, Fp8E4m3TiesToEven) {
+  EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(1.0625f)), 1.f);     // between 1 (even) and 1.125
+  EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(1.1875f)), 1.25f);   // between 1.125 and 1.25 (even)
+  EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(-1.1875f)), -1.25f);
+  EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(std::ldexp(3.f, -10))), std::ldexp(1.f, -8));  // subnormals: 1.5 -> 2
+  EXPECT_EQ(fp8_e4m3_to_f32(f32_to_fp8_e4m3(std::ldexp(1.f, -10))), 0.f);                  // 0.5 -> 0
 }
 
 TEST(KvCodec, GaussianLloydMaxLevels) {
@@ -366,6 +376,86 @@ std::vector<float> run_cache(KvCache& c, const KvGeometry& g, const std::vector<
     pos += T;
   }
   return out;
+}
+
+// The exponent of an FP8 row is the least e with amax <= 448 * 2^e, checked in double around every
+// boundary 448 * 2^k and on random magnitudes.
+TEST(Fp8Rows, ExponentIsTheLeastThatFits) {
+  std::vector<float> amaxes = {1.f, 0.001f, 3e-30f, 1e30f, 447.9f};
+  for (int k = -100; k <= 100; k += 7)
+    for (float f : {std::ldexp(448.f, k), std::nextafter(std::ldexp(448.f, k), 0.f), std::nextafter(std::ldexp(448.f, k), 1e38f)})
+      amaxes.push_back(f);
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 1000; ++i) amaxes.push_back(std::ldexp(std::uniform_real_distribution<float>(1.f, 2.f)(rng), int(rng() % 120) - 60));
+  for (float a : amaxes) {
+    const int e = fp8_row_exponent(a);
+    EXPECT_LE(double(a), std::ldexp(448.0, e)) << a;
+    EXPECT_GT(double(a), std::ldexp(448.0, e - 1)) << a;
+  }
+  EXPECT_EQ(fp8_row_exponent(0.f), kFp8MinExp);
+  EXPECT_EQ(fp8_row_exponent(INFINITY), kFp8MaxExp);
+  for (int e : {-120, -1, 0, 1, 120}) EXPECT_EQ(double(fp8_exp2(e)), std::ldexp(1.0, e));
+}
+
+// Every value comes back within half an E4M3 step of its row's scale (2^-4 relative, or 2^(e-10)
+// in E4M3's subnormal range), each row's largest value in the top binade, and the decoded values
+// are BF16 exactly (a code times a power of two). Zero rows stay zero.
+TEST(Fp8Rows, RoundTripWithinHalfAStepAndExactInBf16) {
+  const int Dh = 64, n = 50;
+  std::vector<float> x = rnd(size_t(n) * Dh, 9);
+  for (int r = 0; r < n; ++r)
+    for (int i = 0; i < Dh; ++i) x[size_t(r) * Dh + i] *= std::ldexp(1.f, r - 25) * (i == 5 ? 40.f : 1.f);  // outlier channel
+  std::fill_n(x.begin(), Dh, 0.f);  // row 0 all zero
+  std::vector<uint8_t> codes(x.size());
+  std::vector<int8_t> exps(n);
+  std::vector<uint16_t> back(x.size());
+  fp8_quantize_rows(x.data(), n, Dh, codes.data(), exps.data());
+  fp8_dequantize_rows(codes.data(), exps.data(), n, Dh, back.data());
+  for (int r = 0; r < n; ++r) {
+    float amax = 0, top = 0;
+    for (int i = 0; i < Dh; ++i) {
+      const size_t j = size_t(r) * Dh + i;
+      const float got = bf16_to_f32(back[j]), want = x[j];
+      EXPECT_EQ(got, fp8_e4m3_to_f32(codes[j]) * std::ldexp(1.f, exps[r])) << r << " " << i;  // exact in BF16
+      EXPECT_LE(std::fabs(got - want), std::max(std::fabs(want) / 16, std::ldexp(1.f, exps[r] - 10))) << r << " " << i;
+      amax = std::max(amax, std::fabs(want));
+      top = std::max(top, std::fabs(fp8_e4m3_to_f32(codes[j])));
+    }
+    if (r == 0) EXPECT_EQ(top, 0.f);
+    else EXPECT_GE(top, 224.f) << r;  // the scale is the least that fits: the largest code is in the top binade
+  }
+}
+
+// The fp8-all cache attends as a BF16 cache of the rows its codes decode to, holds 1 + 1/Dh bytes a
+// value, and copies and truncates like the others.
+TEST(Fp8Rows, CacheAttendsAsItsDecodedRows) {
+  const KvGeometry g{2, 2, 4, 32, 10000.f};
+  auto fp8 = make_kv_cache(g, kv_preset("fp8-all"));
+  auto bf16 = make_exact_kv_cache(g, KvDType::BF16);
+  const int T = 37;
+  const size_t n = size_t(T) * g.num_kv_heads;
+  const auto k = rnd(n * g.head_dim, 1), v = rnd(n * g.head_dim, 2), q = rnd(size_t(T) * g.num_heads * g.head_dim, 3);
+  std::vector<uint8_t> codes(n * g.head_dim);
+  std::vector<int8_t> exps(n);
+  std::vector<uint16_t> kb(codes.size()), vb(codes.size());
+  fp8_quantize_rows(k.data(), n, g.head_dim, codes.data(), exps.data());
+  fp8_dequantize_rows(codes.data(), exps.data(), n, g.head_dim, kb.data());
+  fp8_quantize_rows(v.data(), n, g.head_dim, codes.data(), exps.data());
+  fp8_dequantize_rows(codes.data(), exps.data(), n, g.head_dim, vb.data());
+  std::vector<float> kd(kb.size()), vd(vb.size());
+  for (size_t i = 0; i < kb.size(); ++i) kd[i] = bf16_to_f32(kb[i]), vd[i] = bf16_to_f32(vb[i]);
+  std::vector<float> got(q.size()), want(q.size());
+  for (int l = 0; l < g.num_layers; ++l) {
+    fp8->append(l, k.data(), v.data(), T);
+    bf16->append(l, kd.data(), vd.data(), T);  // exact in BF16
+    fp8->attend(l, q.data(), T, got.data());
+    bf16->attend(l, q.data(), T, want.data());
+    EXPECT_EQ(got, want);
+  }
+  EXPECT_EQ(fp8->bytes(), size_t(g.num_layers) * 2 * n * (g.head_dim + 1));
+  EXPECT_NEAR(fp8->stats().k_bits, 8 + 8.0 / g.head_dim, 1e-12);
+  fp8->truncate(20);
+  EXPECT_EQ(fp8->bytes(), size_t(g.num_layers) * 2 * 20 * g.num_kv_heads * (g.head_dim + 1));
 }
 
 TEST(TieredKvCache, LookupTablesMatchDecodedAttention) {

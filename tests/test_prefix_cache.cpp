@@ -44,7 +44,7 @@ std::vector<float> attend_last(const KvCache& c, int layer, int T) {
 }
 
 TEST(PrefixCache, CopiedPrefixAttendsAsItsTokensAppended) {
-  for (KvDType dtype : {KvDType::F32, KvDType::BF16}) {
+  for (KvDType dtype : {KvDType::F32, KvDType::BF16, KvDType::FP8}) {
     auto full = make_exact_kv_cache(kGeom, dtype);
     append_rows(*full, 0, 40);
     auto copy = full->copy_prefix(25);

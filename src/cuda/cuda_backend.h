@@ -20,6 +20,9 @@ struct CudaBackendOptions {
   // The paged KV cache's pool, shared by all sequences, allocated at the first new_cache(): 0 =
   // the GPU memory then free less a reserve of max(4 GiB, 5%), at most 256 full-context sequences.
   size_t kv_cache_bytes = 0;
+  // The pages' format: BF16, or FP8 rows (kv/fp8_rows.h: E4M3 and a power-of-two scale per token
+  // and KV head, 1 + 1/Dh bytes a value), which the kernels dequantize exactly into BF16 as they read.
+  KvDType kv_dtype = KvDType::BF16;
   bool use_graphs = true;    // capture decode steps (batch 1, and batches of one token each) as CUDA graphs
   // Prompt chunks (> 8 tokens) go through BF16 tensor-core GEMMs; with split_activations each
   // activation enters as two BF16 parts (hi + lo), which keeps FP32-level products like the GEMV

@@ -59,10 +59,11 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
   }
   if (opts.backend == "cuda") {
 #if TIERMOE_HAVE_CUDA
-    if (!kv_spec_->exact || kv_spec_->exact_f32 || !opts.kv_profile.empty())
+    if (!kv_spec_->exact || kv_spec_->exact_dtype == KvDType::F32 || !opts.kv_profile.empty())
       throw InputError("--kv " + kv_spec_->name + ": the CUDA backend keeps its KV cache in BF16 (--kv bf16, the default "
-                       "with --backend cuda); tiered caches and profiles are CPU-only so far");
+                       "with --backend cuda) or FP8 rows (--kv fp8-all); tiered caches and profiles are CPU-only so far");
     CudaBackendOptions co;
+    co.kv_dtype = kv_spec_->exact_dtype;
     co.kv_cache_bytes = opts.gpu_kv_bytes;
     backend_ = weights_ ? make_cuda_backend(*weights_, co) : make_cuda_backend_dummy(config_, co);
     weights_.reset();  // uploaded; the host copy is not needed
@@ -72,7 +73,7 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
 #endif
   }
   CpuBackendOptions bo;
-  if (kv_spec_->exact) bo.kv_dtype = kv_spec_->exact_f32 ? KvDType::F32 : KvDType::BF16;
+  if (kv_spec_->exact) bo.kv_dtype = kv_spec_->exact_dtype;
   else bo.kv_spec = kv_spec_;
   if (!opts.kv_profile.empty()) {
     auto prof = std::make_shared<KvProfile>(KvProfile::load(opts.kv_profile));

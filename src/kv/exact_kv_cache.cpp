@@ -1,9 +1,11 @@
-// The exact KV cache: one growing buffer of rows [pos, Hkv, Dh] per layer for K and for V.
+// The exact KV cache: one growing buffer of rows [pos, Hkv, Dh] per layer for K and for V, in FP32,
+// BF16 or FP8 rows (with one int8 exponent per (pos, KV head) beside them).
 #include <vector>
 
 #include "core/check.h"
 #include "core/dtype.h"
 #include "cpu/attention.h"
+#include "kv/fp8_rows.h"
 #include "kv/kv_cache.h"
 
 namespace tiermoe {
@@ -11,8 +13,9 @@ namespace {
 
 class ExactKvCache final : public KvCache {
  public:
-  ExactKvCache(const KvGeometry& g, DType dtype)
-      : g_(g), dtype_(dtype), elem_(dtype_size(dtype_)), k_(g.num_layers), v_(g.num_layers), len_(g.num_layers, 0),
+  ExactKvCache(const KvGeometry& g, KvDType dtype)
+      : g_(g), dtype_(dtype), elem_(dtype == KvDType::F32 ? 4 : dtype == KvDType::BF16 ? 2 : 1), k_(g.num_layers),
+        v_(g.num_layers), k_exp_(g.num_layers), v_exp_(g.num_layers), len_(g.num_layers, 0),
         appended_(g.num_layers, 0) {}
 
   void append(int layer, const float* k, const float* v, int T) override {
@@ -20,16 +23,26 @@ class ExactKvCache final : public KvCache {
     const size_t old = size_t(len_[layer]) * row * elem_;
     k_[layer].resize(old + size_t(T) * row * elem_);
     v_[layer].resize(old + size_t(T) * row * elem_);
-    store(k_[layer].data() + old, k, size_t(T) * row);
-    store(v_[layer].data() + old, v, size_t(T) * row);
+    store(layer, k_[layer].data() + old, k_exp_[layer], k, T);
+    store(layer, v_[layer].data() + old, v_exp_[layer], v, T);
     len_[layer] += T;
     appended_[layer] = T;
   }
 
   void attend(int layer, const float* q, int T, float* out) const override {
     CHECK(T <= appended_[layer]);
-    attention_causal(out, q, k_[layer].data(), v_[layer].data(), dtype_, T, len_[layer] - T, g_.num_heads,
-                     g_.num_kv_heads, g_.head_dim);
+    const void *k = k_[layer].data(), *v = v_[layer].data();
+    if (dtype_ == KvDType::FP8) {  // attended as the BF16 rows the codes decode to (exactly)
+      thread_local std::vector<uint16_t> kb, vb;
+      const size_t rows = size_t(len_[layer]) * g_.num_kv_heads;
+      kb.resize(rows * g_.head_dim);
+      vb.resize(rows * g_.head_dim);
+      fp8_dequantize_rows(k_[layer].data(), k_exp_[layer].data(), rows, g_.head_dim, kb.data());
+      fp8_dequantize_rows(v_[layer].data(), v_exp_[layer].data(), rows, g_.head_dim, vb.data());
+      k = kb.data(), v = vb.data();
+    }
+    attention_causal(out, q, k, v, dtype_ == KvDType::F32 ? DType::F32 : DType::BF16, T, len_[layer] - T,
+                     g_.num_heads, g_.num_kv_heads, g_.head_dim);
   }
 
   int length() const override { return len_.empty() ? 0 : len_.back(); }
@@ -42,6 +55,10 @@ class ExactKvCache final : public KvCache {
       appended_[l] = 0;
       k_[l].resize(size_t(n) * row);
       v_[l].resize(size_t(n) * row);
+      if (dtype_ == KvDType::FP8) {
+        k_exp_[l].resize(size_t(n) * g_.num_kv_heads);
+        v_exp_[l].resize(size_t(n) * g_.num_kv_heads);
+      }
     }
   }
 
@@ -50,9 +67,12 @@ class ExactKvCache final : public KvCache {
     CHECK(can_copy_prefix(n));
     auto copy = std::make_unique<ExactKvCache>(g_, dtype_);
     const size_t bytes = size_t(n) * g_.num_kv_heads * g_.head_dim * elem_;
+    const size_t exps = dtype_ == KvDType::FP8 ? size_t(n) * g_.num_kv_heads : 0;
     for (int l = 0; l < g_.num_layers; ++l) {
       copy->k_[l].assign(k_[l].begin(), k_[l].begin() + ptrdiff_t(bytes));
       copy->v_[l].assign(v_[l].begin(), v_[l].begin() + ptrdiff_t(bytes));
+      copy->k_exp_[l].assign(k_exp_[l].begin(), k_exp_[l].begin() + ptrdiff_t(exps));
+      copy->v_exp_[l].assign(v_exp_[l].begin(), v_exp_[l].begin() + ptrdiff_t(exps));
       copy->len_[l] = n;
     }
     return copy;
@@ -60,7 +80,8 @@ class ExactKvCache final : public KvCache {
 
   Stats stats() const override {
     Stats s;
-    const double bits = dtype_ == DType::F32 ? 32 : 16;
+    // FP8 rows: 8 bits a value and one 8-bit exponent per row of Dh.
+    const double bits = dtype_ == KvDType::F32 ? 32 : dtype_ == KvDType::BF16 ? 16 : 8 + 8.0 / g_.head_dim;
     s.tiers.push_back({"exact", long(length()), bits, bits});
     s.k_bits = s.v_bits = bits;
     s.token_bytes = s.held_bytes = double(bytes());
@@ -69,37 +90,37 @@ class ExactKvCache final : public KvCache {
 
   size_t bytes() const override {
     size_t b = 0;
-    for (int l = 0; l < g_.num_layers; ++l) b += k_[l].size() + v_[l].size();
+    for (int l = 0; l < g_.num_layers; ++l) b += k_[l].size() + v_[l].size() + k_exp_[l].size() + v_exp_[l].size();
     return b;
   }
 
  private:
-  void store(uint8_t* dst, const float* src, size_t n) {
-    if (dtype_ == DType::F32) {
+  void store(int layer, uint8_t* dst, std::vector<int8_t>& exps, const float* src, int T) {
+    const size_t n = size_t(T) * g_.num_kv_heads * g_.head_dim;
+    if (dtype_ == KvDType::F32) {
       std::memcpy(dst, src, n * 4);
-    } else {
+    } else if (dtype_ == KvDType::BF16) {
       auto* d = reinterpret_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    } else {
+      const size_t rows = size_t(T) * g_.num_kv_heads, old = size_t(len_[layer]) * g_.num_kv_heads;
+      exps.resize(old + rows);
+      fp8_quantize_rows(src, rows, g_.head_dim, dst, exps.data() + old);
     }
   }
 
   KvGeometry g_;
-  DType dtype_;
+  KvDType dtype_;
   size_t elem_;
   std::vector<std::vector<uint8_t>> k_, v_;  // [layer] -> bytes of [len, Hkv, Dh]
+  std::vector<std::vector<int8_t>> k_exp_, v_exp_;  // FP8: [layer] -> [len, Hkv] exponents
   std::vector<int> len_, appended_;
 };
 
 }  // namespace
 
 std::unique_ptr<KvCache> make_exact_kv_cache(const KvGeometry& g, KvDType dtype) {
-  return std::make_unique<ExactKvCache>(g, dtype == KvDType::F32 ? DType::F32 : DType::BF16);
-}
-
-KvDType parse_kv_dtype(const std::string& name) {
-  if (name == "f32") return KvDType::F32;
-  if (name == "bf16") return KvDType::BF16;
-  throw InputError("--kv: unknown KV cache type '" + name + "' (supported: f32, bf16)");
+  return std::make_unique<ExactKvCache>(g, dtype);
 }
 
 }  // namespace tiermoe

@@ -66,13 +66,12 @@ class KvCache {
   }
 };
 
-enum class KvDType : uint8_t { F32, BF16 };
+// FP8: E4M3 with a power-of-two scale per (token, KV head) row (kv/fp8_rows.h), every token.
+enum class KvDType : uint8_t { F32, BF16, FP8 };
 
-// Exact cache: keys and values stored as FP32 (bit-exact reference) or BF16.
+// One cache of every token in one format: keys and values stored as FP32 (bit-exact reference),
+// BF16 or FP8 rows (attended as the BF16 values they decode to exactly).
 std::unique_ptr<KvCache> make_exact_kv_cache(const KvGeometry& g, KvDType dtype);
-
-// "f32" | "bf16"; throws InputError naming the value otherwise.
-KvDType parse_kv_dtype(const std::string& name);
 
 struct KvSpec;
 class KvProfile;

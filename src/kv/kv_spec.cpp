@@ -60,7 +60,10 @@ CodecSpec pca_rvq(std::vector<double> stage_bits, int dim) {
 const std::map<std::string, std::function<KvSpec()>>& presets() {
   static const std::map<std::string, std::function<KvSpec()>> p = {
       {"f32", [] { KvSpec s; s.name = "f32"; return s; }},
-      {"bf16", [] { KvSpec s; s.name = "bf16"; s.exact_f32 = false; return s; }},
+      {"bf16", [] { KvSpec s; s.name = "bf16"; s.exact_dtype = KvDType::BF16; return s; }},
+      // vLLM's fp8 KV cache: every token's K and V in E4M3, a power-of-two scale per (token, KV head)
+      // (kv/fp8_rows.h); the one cache besides bf16 that the CUDA backend keeps.
+      {"fp8-all", [] { KvSpec s; s.name = "fp8-all"; s.exact_dtype = KvDType::FP8; return s; }},
       {"fp8", [] { KvSpec s = tiered("fp8"); s.k.kind = s.v.kind = "fp8"; return s; }},
       {"kivi2", [] { KvSpec s = tiered("kivi2"); s.page = 32; s.k = s.v = kivi(2); return s; }},
       {"kivi4", [] { KvSpec s = tiered("kivi4"); s.page = 32; s.k = s.v = kivi(4); return s; }},
@@ -209,7 +212,9 @@ nlohmann::json kv_spec_to_json(const KvSpec& s) {
                           {"oblivious", c.oblivious}, {"center", c.center},
                           {"pre_rope", c.pre_rope}};
   };
-  if (s.exact) return {{"name", s.name}, {"exact", s.exact_f32 ? "f32" : "bf16"}};
+  if (s.exact)
+    return {{"name", s.name},
+            {"exact", s.exact_dtype == KvDType::F32 ? "f32" : s.exact_dtype == KvDType::BF16 ? "bf16" : "fp8"}};
   return {{"name", s.name}, {"sink", s.sink}, {"window", s.window}, {"middle", s.middle}, {"page", s.page},
           {"archive_stages", s.archive_stages}, {"calib_tokens", s.calib_tokens}, {"refits", s.refits}, {"refit_rows", s.refit_rows}, {"refit_basis", s.refit_basis}, {"recode", s.recode}, {"seed", s.seed},
           {"k", codec(s.k)}, {"v", codec(s.v)}};

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kv/kv_cache.h"
+
 namespace tiermoe {
 
 // One codec, applied to every (layer, KV head) of K or of V.
@@ -38,8 +40,8 @@ struct CodecSpec {
 
 struct KvSpec {
   std::string name = "f32";
-  bool exact = true;             // exact FP32/BF16 cache (no tiers)
-  bool exact_f32 = true;         // exact cache type when `exact`
+  bool exact = true;             // one format for every token (no tiers)
+  KvDType exact_dtype = KvDType::F32;  // that format when `exact`: F32, BF16 or FP8 rows
   int sink = 4;                  // first tokens kept exact
   int window = 128;              // W: tokens younger than this (in whole pages) kept exact
   int middle = 4096;             // M: pages at least this old go to the archive tier
@@ -60,7 +62,7 @@ struct KvSpec {
   CodecSpec k, v;
 };
 
-// A preset by name: f32, bf16, fp8, kivi2, kivi4, hadamard2, hadamard3, oskvp, rvq-tiers,
+// A preset by name: f32, bf16, fp8-all, fp8, kivi2, kivi4, hadamard2, hadamard3, oskvp, rvq-tiers,
 // default, ... Throws InputError listing the names.
 KvSpec kv_preset(const std::string& name);
 std::vector<std::string> kv_preset_names();

@@ -772,7 +772,7 @@ class TieredKvCache final : public KvCache {
 }  // namespace
 
 std::unique_ptr<KvCache> make_kv_cache(const KvGeometry& g, const KvSpec& spec, const KvProfile* profile) {
-  if (spec.exact) return make_exact_kv_cache(g, spec.exact_f32 ? KvDType::F32 : KvDType::BF16);
+  if (spec.exact) return make_exact_kv_cache(g, spec.exact_dtype);
   return std::make_unique<TieredKvCache>(g, spec, profile);
 }
 
