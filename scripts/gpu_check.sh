@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|timeline|detail|batch|moe|ab|envs|sanitize]   (quick: no large
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|timeline|detail|batch|moe|ab|envs|fp8|sanitize]   (quick: no large
 #   published configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
 #   initcheck; profile: per-kernel times of one decode step under ncu; timeline: the captured steps' kernels
 #   under nsys, what each adds to a step once overlapped (scripts/graph_timeline.py); detail: ncu's throughput,
@@ -10,7 +10,8 @@
 #   model checks; moe: fused vs unfused MoE layer side by side; ab: the batch-1 benchmarks of
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
 #   build (defaults, PDL off, BF16 prompt activations; new-nostage: no GEMV stage), interleaved in
-#   one run, then the kernel table; envs: this build's batch-1 benchmarks under ENV_VARIANTS; sanitize: compute-sanitizer on case ranges of the longest
+#   one run, then the kernel table; envs: this build's batch-1 benchmarks under ENV_VARIANTS; fp8: the FP8 KV
+#   pages' checks, the models, then BF16 against FP8 pages (batch 1, interleaved); sanitize: compute-sanitizer on case ranges of the longest
 #   groups as parallel processes, spread over the machine's GPUs, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
 #   "Numerics, as measured" reports)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
@@ -80,7 +81,7 @@ for line in open(sys.argv[1]):
 PY
   log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
-elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
+elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail|fp8)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
   log check
   timeout 150 $C 2>&1 | tee "$OUT/check.txt"
 fi
@@ -207,6 +208,13 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
   bench_variants ab "${AB_ROWS:-olmoe-1b-7b-v8192.json 16 128 3;olmoe-1b-7b-v8192.json 4096 64 2;qwen3-30b-a3b-L16-v8192.json 16 128 3;qwen3-30b-a3b-L16-v8192.json 4096 64 2}" 2 "${ab_variants[@]}"
   [ "${AB_CHECK:-1}" = 0 ] && exit 0  # AB_CHECK=0: the kernel table was run before
   log kernels; timeout 90 $C --kernels-only > "$OUT/check.txt" 2>&1; grep -E "^(FAIL|==)" "$OUT/check.txt"
+  exit 0
+fi
+if [ "$MODE" = fp8 ]; then  # FP8 KV pages: their kernel checks, the models (FP8 variants among them), then
+  # batch-1 benchmarks with BF16 and FP8 pages interleaved (FP8_ROWS: "config ctx gen repeats" rows separated by ';')
+  log kernels; timeout 150 $C --kernels-only fp8 > "$OUT/check.txt" 2>&1; grep -E "^(FAIL|==)" "$OUT/check.txt"
+  log models; timeout ${MODELS_S:-200} $C --models-only >> "$OUT/check.txt" 2>&1; grep -E "FP8|^(FAIL|==)" "$OUT/check.txt"
+  bench_variants fp8 "${FP8_ROWS:-olmoe-1b-7b-v8192.json 4096 64 2;qwen3-30b-a3b-L16-v8192.json 4096 64 2;olmoe-1b-7b-v8192.json 16 128 3;olmoe-1b-7b.json 4000 64 2;qwen3-30b-a3b.json 4096 64 2}" 2 bf16 "fp8 TIERMOE_BENCH_KV=fp8-all"
   exit 0
 fi
 if [ "$MODE" = envs ]; then  # batch-1 benchmarks of this build under environment variants, interleaved

@@ -22,10 +22,15 @@ inline double bench_percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+// Bytes a KV cache of `t` holds per value (FP8 rows: a code, and an exponent per row of head_dim).
+inline double kv_bytes_per_value(KvDType t, int head_dim) {
+  return t == KvDType::F32 ? 4.0 : t == KvDType::BF16 ? 2.0 : 1.0 + 1.0 / head_dim;
+}
+
 // Bytes one decode step must read at a context of n_ctx tokens: the active weights (attention,
 // router, the top-k experts, shared expert, dense MLPs, LM head, norms; one embedding row) in
-// BF16, plus the BF16 KV cache.
-inline double decode_bytes(const ModelConfig& c, double n_ctx) {
+// BF16, plus the KV cache at kv_value_bytes a value (2: BF16).
+inline double decode_bytes(const ModelConfig& c, double n_ctx, double kv_value_bytes = 2.0) {
   const double D = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, Dh = c.head_dim;
   double w = 0;
   for (int l = 0; l < c.num_layers; ++l) {
@@ -38,7 +43,7 @@ inline double decode_bytes(const ModelConfig& c, double n_ctx) {
     }
   }
   w += double(c.vocab_size) * D * 2 + D * 2 + D * 4;
-  const double kv = double(c.num_layers) * n_ctx * Hkv * Dh * 2 * 2;
+  const double kv = double(c.num_layers) * n_ctx * Hkv * Dh * 2 * kv_value_bytes;
   return w + kv;
 }
 
@@ -165,9 +170,10 @@ inline nlohmann::json bench_batch(Backend& backend, const ModelConfig& cfg, int 
 }
 
 // Adds bytes_per_token, floor_ms and fraction_of_floor (floor / measured p50; 1 = at the floor).
-inline void add_floor(nlohmann::json& out, const ModelConfig& cfg, double copy_bw_bytes_per_s) {
+inline void add_floor(nlohmann::json& out, const ModelConfig& cfg, double copy_bw_bytes_per_s,
+                      double kv_value_bytes = 2.0) {
   const int prompt = out["prompt_tokens"].get<int>(), gen = out["gen_tokens"].get<int>();
-  const double bytes = decode_bytes(cfg, prompt + 0.5 * gen);
+  const double bytes = decode_bytes(cfg, prompt + 0.5 * gen, kv_value_bytes);
   const double floor_ms = bytes / copy_bw_bytes_per_s * 1e3;
   out["bytes_per_token"] = bytes;
   out["copy_bandwidth_GBps"] = copy_bw_bytes_per_s / 1e9;

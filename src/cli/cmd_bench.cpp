@@ -53,7 +53,8 @@ int run_bench(const CommonOptions& c, const BenchOptions& b) {
   if (c.backend == "cpu") out["threads"] = num_threads();
   if (!b.config_file.empty()) out["config"] = std::filesystem::path(b.config_file).filename().string();
   out["load_format"] = c.load_format;
-  if (copy_bw > 0 && b.batch == 1) add_floor(out, cfg, copy_bw);  // the floor counts one stream's bytes
+  if (copy_bw > 0 && b.batch == 1)  // the floor counts one stream's bytes
+    add_floor(out, cfg, copy_bw, kv_bytes_per_value(engine.kv_spec().exact_dtype, cfg.head_dim));
   if (c.json) {
     std::printf("%s\n", out.dump().c_str());
   } else {

@@ -13,8 +13,9 @@ namespace {
 
 void add_common(CLI::App* cmd, CommonOptions& c, bool json_flag = true) {
   cmd->add_option("--model", c.model_dir, "Hugging Face model directory")->required();
-  cmd->add_option("--kv", c.kv, "KV cache preset: f32 (exact reference), bf16, fp8, kivi2, kivi4, hadamard2, "
-                  "hadamard3, oskvp, rvq-tiers, default")->capture_default_str();
+  cmd->add_option("--kv", c.kv, "KV cache preset: f32 (exact reference), bf16, fp8-all (every token in FP8), fp8, "
+                  "kivi2, kivi4, hadamard2, hadamard3, oskvp, rvq-tiers, default; with --backend cuda: bf16 or "
+                  "fp8-all")->capture_default_str();
   cmd->add_option("--kv-config", c.kv_config, "JSON file of KV cache settings (overrides --kv; see docs/kv_codecs.md)");
   cmd->add_option("--kv-profile", c.kv_profile, "Offline KV calibration written by `tiermoe calibrate`");
   cmd->add_option("--threads", c.threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));

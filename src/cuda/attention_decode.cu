@@ -10,6 +10,8 @@
 // (token, KV head) to finish -- counted with an atomic, reset by that block for the next launch --
 // merges the splits' partial softmax results. When (KV head, split) blocks are few -- short
 // contexts, few KV heads -- HG blocks share a KV head, each with G / HG of its query heads.
+// FP8 pages (kv_fp8.cuh): the new rows must be in the cache already (k_new null); every row read is
+// dequantized into the BF16 values the kernels work on.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -21,6 +23,7 @@
 #include "cuda/attention_merge.cuh"
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
+#include "cuda/kv_fp8.cuh"
 
 namespace tiermoe::cuda {
 namespace {
@@ -72,9 +75,9 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 template <int GM, int Dh>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
-    const float* __restrict__ q, bf16* kc, bf16* vc, const int32_t* table, const int32_t* const* __restrict__ tables,
-    const float* __restrict__ k_new, const float* __restrict__ v_new, const int32_t* __restrict__ pos, int H, int Hkv,
-    bool early) {
+    const float* __restrict__ q, bf16* kc, bf16* vc, KvFp8 fp8, const int32_t* table,
+    const int32_t* const* __restrict__ tables, const float* __restrict__ k_new, const float* __restrict__ v_new,
+    const int32_t* __restrict__ pos, int H, int Hkv, bool early) {
   // gridDim.x = Hkv * HG: HG blocks share a KV head, each with G of its query heads from head h0.
   const int HG = gridDim.x / Hkv, kvh = blockIdx.x / HG, hg = blockIdx.x % HG;
   const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
@@ -87,7 +90,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // With tables (one sequence per token): token t's own page table, its one new key at pos[t], its
   // keys split n_splits ways; else all T tokens are new keys of one sequence at pos[0] ...
   const bool per_seq = tables != nullptr;
-  if (per_seq) table = tables[t], k_new += size_t(t) * Hkv * Dh, v_new += size_t(t) * Hkv * Dh;
+  if (per_seq) table = tables[t];
+  if (per_seq && k_new) k_new += size_t(t) * Hkv * Dh, v_new += size_t(t) * Hkv * Dh;
   const int first_new = per_seq ? pos[t] : pos[0], n = pos[t] + 1;
   const int split_len = ((per_seq ? pos[t] : pos[T - 1]) + 1 + n_splits - 1) / n_splits;
   const int start = s * split_len, end = min(n, start + split_len);
@@ -96,15 +100,24 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // One array, so that the merge at the end can stage the splits' rows in both tiles' space.
   __shared__ __align__(16) uint4 kvtile[2 * kTileElems / 8];
   uint4 *ktile = kvtile, *vtile = kvtile + kTileElems / 8;
-  // K/V rows [t0, t0 + nk) already in the cache (rows of earlier passes) -> the tile, by cp.async.
+  // Cache rows [t0 + from, t0 + to) -> the tile's rows [from, to): by cp.async, or FP8 rows dequantized.
+  auto load_rows = [&](int t0, int from, int to) {
+#pragma unroll kUnroll
+    for (int i = from * L + threadIdx.x; i < to * L; i += kThreads) {  // unrolled: the page-table reads overlap
+      const size_t off = kv_row(table, t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
+      if (fp8.k) {
+        ktile[i] = load_fp8x8(fp8.k, fp8.k_exp, off, Dh);
+        vtile[i] = load_fp8x8(fp8.v, fp8.v_exp, off, Dh);
+      } else {
+        cp_async16(&ktile[i], kc + off, true);
+        cp_async16(&vtile[i], vc + off, true);
+      }
+    }
+  };
+  // K/V rows [t0, t0 + nk) already in the cache before this pass (rows of earlier passes) -> the tile.
   auto load_cached = [&](int t0, int nk) {
     const int cached = max(0, min(nk, first_new - t0));
-#pragma unroll kUnroll
-    for (int i = threadIdx.x; i < cached * L; i += kThreads) {  // unrolled: the page-table reads overlap
-      const size_t off = kv_row(table, t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
-      cp_async16(&ktile[i], kc + off, true);
-      cp_async16(&vtile[i], vc + off, true);
-    }
+    load_rows(t0, 0, cached);
     return cached;
   };
   // Before the wait for the previous kernel (q/k norm + RoPE): the first tile's cached rows, which
@@ -115,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   pdl_launch_dependents();
 
   // This block's KV head of token t's new row goes into the cache, if its key falls in this split.
-  if (hg == 0 && pos[t] >= start && pos[t] < start + split_len)
+  if (k_new && hg == 0 && pos[t] >= start && pos[t] < start + split_len)
     append_new_row(kc, vc, table, k_new, v_new, pos[t], first_new, row, kvh, Dh);
 
   const float scale = rsqrtf(float(Dh));
@@ -143,10 +156,14 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const int nk = min(tile, end - t0);
     __syncthreads();  // the previous tile is consumed
     const int cached = t0 == start && first_cached >= 0 ? first_cached : load_cached(t0, nk);  // already cached
-    for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
-      const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
-      ktile[i] = bf16x8(k_new + src);
-      vtile[i] = bf16x8(v_new + src);
+    if (k_new) {
+      for (int i = cached * L + threadIdx.x; i < nk * L; i += blockDim.x) {  // new keys, from k_new / v_new
+        const size_t src = size_t(t0 + i / L - first_new) * row + size_t(kvh) * Dh + (i % L) * 8;
+        ktile[i] = bf16x8(k_new + src);
+        vtile[i] = bf16x8(v_new + src);
+      }
+    } else {
+      load_rows(t0, cached, nk);  // the new keys are in the cache already
     }
     cp_async_commit();  // the whole tile in flight at once, one wait
     cp_async_wait<0>();
@@ -272,10 +289,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 // wait. At G > 1 every query head reads its KV head's rows itself (G times the K/V bytes).
 constexpr int kRound = 8;          // keys per lane group per round
 constexpr int kMergeFloats = 4352;  // the merge's stage: 33 splits of Dh = 128 in one chunk
-template <int Dh>
+template <int Dh, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
-    const float* __restrict__ q, bf16* kc, bf16* vc, const int32_t* table, const float* __restrict__ k_new,
+    const float* __restrict__ q, bf16* kc, bf16* vc, KvFp8 fp8, const int32_t* table, const float* __restrict__ k_new,
     const float* __restrict__ v_new, const int32_t* __restrict__ pos, int Hkv) {
   constexpr int L = Dh / 8, slots = 32 / L, per_round = kWarpsPerBlock * slots * kRound;
   const int h = blockIdx.x, H = gridDim.x, G = H / Hkv, kvh = h / G;
@@ -288,13 +305,19 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   // Round r's key u of this lane group: keys of a round are consecutive over (u, warp, group).
   auto key_of = [&](int r0, int u) { return r0 + (u * kWarpsPerBlock + warp) * slots + sub; };
   uint4 kw[kRound], vw[kRound];
+  auto load_row = [&](int j, int u) {  // key j's 8 values of this lane, from the cache
+    const size_t off = kv_row(table, j) * row + size_t(kvh) * Dh + part * 8;
+    if constexpr (FP8)
+      kw[u] = load_fp8x8(fp8.k, fp8.k_exp, off, Dh), vw[u] = load_fp8x8(fp8.v, fp8.v_exp, off, Dh);
+    else
+      kw[u] = ldg16(kc + off), vw[u] = ldg16(vc + off);
+  };
   auto load_cached = [&](int r0) {
 #pragma unroll
     for (int u = 0; u < kRound; ++u) {
       const int j = key_of(r0, u);
       if (j < end && j < first_new) {
-        const size_t off = kv_row(table, j) * row + size_t(kvh) * Dh + part * 8;
-        kw[u] = ldg16(kc + off), vw[u] = ldg16(vc + off);
+        load_row(j, u);
       } else {
         kw[u] = vw[u] = make_uint4(0, 0, 0, 0);  // past the split: its p is 0, and 0 * V must not be NaN
       }
@@ -303,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   if (start < end) load_cached(start);  // no kernel of this pass writes the cached rows
   pdl_wait();
   pdl_launch_dependents();
-  if (h % G == 0 && pos[t] >= start && pos[t] < start + split_len)  // token t's new row into the cache
+  if (k_new && h % G == 0 && pos[t] >= start && pos[t] < start + split_len)  // token t's new row into the cache
     append_new_row(kc, vc, table, k_new, v_new, pos[t], first_new, row, kvh, Dh);
   const float scale = rsqrtf(float(Dh));
   const float* qh = q + (size_t(t) * H + h) * Dh + part * 8;
@@ -316,6 +339,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     for (int u = 0; u < kRound; ++u) {  // this pass's new keys: from k_new / v_new, rounded as the cache stores them
       const int j = key_of(r0, u);
       if (j < end && j >= first_new) {
+        if (!k_new) {  // in the cache already
+          load_row(j, u);
+          continue;
+        }
         const size_t src = size_t(j - first_new) * row + size_t(kvh) * Dh + part * 8;
         kw[u] = bf16x8(k_new + src), vw[u] = bf16x8(v_new + src);
       }
@@ -446,8 +473,10 @@ auto with_head_size(int Dh, F f) {
          : Dh == 128 ? f(std::integral_constant<int, 128>{})
                      : f(std::integral_constant<int, 256>{});
 }
-auto head_kernel_for(int Dh) {
-  return with_head_size(Dh, [](auto dh) { return attention_decode_head_kernel<decltype(dh)::value>; });
+auto head_kernel_for(int Dh, bool fp8) {
+  return with_head_size(Dh, [fp8](auto dh) {
+    return fp8 ? attention_decode_head_kernel<decltype(dh)::value, true> : attention_decode_head_kernel<decltype(dh)::value, false>;
+  });
 }
 
 // The kernel for G query heads per block and head size Dh.
@@ -460,39 +489,38 @@ auto kernel_for(int G, int Dh) {
   return with_head_size(Dh, [G](auto dh) { return kernel_for<decltype(dh)::value>(G); });
 }
 
-cudaError_t launch_attention_decode(float* out, const float* q, bf16* kc, bf16* vc, const int32_t* table,
-                                    const int32_t* const* tables, const float* k_new, const float* v_new,
+// kv: one sequence (kv.table) or a batch (kv.tables); k_new and v_new both given, or both null.
+cudaError_t launch_attention_decode(float* out, const float* q, const KvPages& kv, const float* k_new, const float* v_new,
                                     const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                                     unsigned* counters, cudaStream_t s) {
+  if ((k_new == nullptr) != (v_new == nullptr) || (kv.is_fp8() && k_new)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  if (per_head_kernel(H, Hkv, tables, n_splits)) {
-    const auto kernel = head_kernel_for(Dh);
-    return launch(kernel, dim3(H, n_splits, T), kThreads, 0, s, out, partial, counters, q, kc, vc, table, k_new, v_new,
-                  pos, Hkv);
+  if (per_head_kernel(H, Hkv, kv.tables, n_splits)) {
+    const auto kernel = head_kernel_for(Dh, kv.is_fp8());
+    return launch(kernel, dim3(H, n_splits, T), kThreads, 0, s, out, partial, counters, q, kv.k, kv.v, kv.fp8, kv.table,
+                  k_new, v_new, pos, Hkv);
   }
   const int HG = g_attention_early ? head_groups(H / Hkv, Hkv * n_splits * T) : 1, G = H / Hkv / HG;
   const dim3 grid(Hkv * HG, n_splits, T);
-  return launch(kernel_for(G, Dh), grid, kThreads, 0, s, out, partial, counters, q, kc, vc, table, tables, k_new, v_new, pos,
-                H, Hkv, g_attention_early);
+  return launch(kernel_for(G, Dh), grid, kThreads, 0, s, out, partial, counters, q, kv.k, kv.v, kv.fp8, kv.table,
+                kv.tables, k_new, v_new, pos, H, Hkv, g_attention_early);
 }
 }  // namespace
 
 cudaError_t attention_decode(float* out, const float* q, KvPages kv, const float* k_new, const float* v_new,
                              const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                              unsigned* counters, cudaStream_t s) {
-  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || T > kGemvMaxT || !kv.table)
+  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || T > kGemvMaxT || !kv.table || kv.tables)
     return cudaErrorInvalidValue;
-  return launch_attention_decode(out, q, kv.k, kv.v, kv.table, nullptr, k_new, v_new, pos, T, H, Hkv, Dh, n_splits,
-                                 partial, counters, s);
+  return launch_attention_decode(out, q, kv, k_new, v_new, pos, T, H, Hkv, Dh, n_splits, partial, counters, s);
 }
 
-cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf16* v_pool, const int32_t* const* tables,
-                                   const float* k_new, const float* v_new, const int32_t* pos, int B, int H, int Hkv,
-                                   int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s) {
-  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || B < 0 || B > 65535 || !tables)
+cudaError_t attention_decode_batch(float* out, const float* q, KvPages kv, const float* k_new, const float* v_new,
+                                   const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits, float* partial,
+                                   unsigned* counters, cudaStream_t s) {
+  if (!attention_decode_supported(H, Hkv, Dh) || n_splits < 1 || B < 0 || B > 65535 || !kv.tables)
     return cudaErrorInvalidValue;
-  return launch_attention_decode(out, q, k_pool, v_pool, nullptr, tables, k_new, v_new, pos, B, H, Hkv, Dh, n_splits,
-                                 partial, counters, s);
+  return launch_attention_decode(out, q, kv, k_new, v_new, pos, B, H, Hkv, Dh, n_splits, partial, counters, s);
 }
 
 void set_attention_early(bool on) { g_attention_early = on; }
@@ -501,7 +529,7 @@ void set_attention_decode_per_head(int mode) { g_attention_per_head = mode == 1 
 int attention_decode_split_cap(int H, int Hkv, int Dh) {
   int per_sm = 0;
   if (!attention_decode_supported(H, Hkv, Dh) || H != Hkv || !per_head_kernel(H, Hkv, nullptr, kHeadMaxSplits + 1) ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, head_kernel_for(Dh), kThreads, 0) != cudaSuccess)
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, head_kernel_for(Dh, false), kThreads, 0) != cudaSuccess)
     return 0;
   return std::max(1, per_sm * sm_count() / H);
 }

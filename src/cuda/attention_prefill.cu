@@ -31,6 +31,7 @@
 
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
+#include "cuda/kv_fp8.cuh"
 #include "cuda/kernels.h"
 
 namespace tiermoe::cuda {
@@ -138,7 +139,16 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* v
   const size_t first = (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH + c;
   __nv_bfloat16* kd = ks + (stage * kTileK + r0) * LD + c;
   __nv_bfloat16* vd = vs + (stage * kTileK + r0) * LD + c;
-  if (rows == kTileK) {
+  if (kv.is_fp8()) {  // FP8 rows: loaded into registers and stored dequantized (not asynchronous)
+#pragma unroll
+    for (int j = 0; j < kTileK / RS; ++j) {
+      const int r = r0 + j * RS;
+      const size_t off = first + size_t(min(r, rows - 1)) * stride;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(kd + j * RS * LD) = r < rows ? load_fp8x8(kv.fp8.k, kv.fp8.k_exp, off, DH) : zero;
+      *reinterpret_cast<uint4*>(vd + j * RS * LD) = r < rows ? load_fp8x8(kv.fp8.v, kv.fp8.v_exp, off, DH) : zero;
+    }
+  } else if (rows == kTileK) {
 #pragma unroll
     for (int j = 0; j < kTileK / RS; ++j) {
       const size_t off = first + size_t(r0 + j * RS) * stride;

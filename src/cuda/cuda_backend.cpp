@@ -451,13 +451,15 @@ class CudaBackend final : public Backend {
 
   int max_context() const { return cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : 1 << 20; }
   size_t page_bytes() const {  // K and V of one page in every layer
-    return size_t(2 * 2) * cfg_.num_layers * cuda::kKvPageRows * cfg_.num_kv_heads * cfg_.head_dim;
+    return KvPagePool::page_bytes(cfg_.num_layers, cfg_.num_kv_heads, cfg_.head_dim, opts_.kv_dtype == KvDType::FP8);
   }
   int pool_pages() const;
   // Allocated at the first use (a cache, or the scheduler asking the capacity): after the weights,
   // so that auto-sizing sees what they left.
   KvPagePool& pool() const {
-    if (!pool_) pool_ = std::make_unique<KvPagePool>(cfg_.num_layers, size_t(cfg_.num_kv_heads) * cfg_.head_dim, pool_pages());
+    if (!pool_)
+      pool_ = std::make_unique<KvPagePool>(cfg_.num_layers, cfg_.num_kv_heads, cfg_.head_dim, pool_pages(),
+                                           opts_.kv_dtype == KvDType::FP8);
     return *pool_;
   }
 
@@ -824,7 +826,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     CUDA_CK(cuda::embed(x_, embed_, chained_ids ? chained_ids : ids_, T, D, stream_));
   // Decode attention on the tensor cores (one sequence, or a batch through tables_): qk_norm_rope
   // appends the new rows first.
-  const bool tc = tc_decode(pieces);
+  const bool tc = tc_decode(pieces), fp8 = pool().fp8();
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const DLayer& L = layers_[l];
     const bool route_in_oproj = router_in_oproj(L, T);
@@ -848,27 +850,37 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       CUDA_CK(cuda::clamp(k_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
       CUDA_CK(cuda::clamp(v_, size_t(T) * Hkv * Dh, *cfg_.clip_qkv, stream_));
     }
-    const cuda::KvPages batch_kv{pool().k(l), pool().v(l), nullptr, tables_};
-    const cuda::KvPages append = tc ? pieces[0].cache->kv(l) : (batch_tc_ ? batch_kv : cuda::KvPages{});
+    cuda::KvPages batch_kv = pool().layer(l);
+    batch_kv.tables = tables_;
+    // Who writes the new rows: qk_norm_rope for the tensor-core decode paths; with FP8 pages (which
+    // must be in the cache before attention reads them) also for a decode batch and for one piece;
+    // else each piece's attention_decode (BF16) or kv_append.
+    const bool batch_append = batch_tc_ || (fp8 && batch_splits_ > 0);
+    const bool piece_append = tc || (fp8 && !batch_append && pieces.size() == 1);
+    const cuda::KvPages append = piece_append ? pieces[0].cache->kv(l) : (batch_append ? batch_kv : cuda::KvPages{});
     CUDA_CK(cuda::qk_norm_rope(q_, k_, L.q_norm, L.k_norm, cfg_.qk_norm == QkNorm::Full, pos_, T, H, Hkv, Dh, eps,
                                cfg_.rope_theta, stream_, append, v_));
     const size_t B = pieces.size();
+    const float *k_new = fp8 ? nullptr : k_, *v_new = fp8 ? nullptr : v_;  // FP8: the rows are in the cache
     if (tc || batch_tc_) {
       CUDA_CK(cuda::attention_prefill(att_, q_, append, pos_, T, H, Hkv, Dh, true, stream_, partial_,
                                       tc ? pieces[0].n_splits : batch_splits_));
     } else if (batch_splits_ > 0) {  // B sequences, one token each: one launch
-      CUDA_CK(cuda::attention_decode_batch(att_, q_, pool().k(l), pool().v(l), tables_, k_, v_, pos_,
-                                           int(B), H, Hkv, Dh, batch_splits_, partial_, split_counters_, stream_));
+      CUDA_CK(cuda::attention_decode_batch(att_, q_, batch_kv, k_new, v_new, pos_, int(B), H, Hkv, Dh, batch_splits_,
+                                           partial_, split_counters_, stream_));
     } else for (size_t t = 0; const Piece& p : pieces) {
-      if (p.n <= cuda::kGemvMaxT && decode_attention_) {  // append + attention + combine in one launch
+      const bool one_launch = p.n <= cuda::kGemvMaxT && decode_attention_;  // (append +) attention + combine
+      if (fp8 && !piece_append)
+        CUDA_CK(cuda::kv_append(p.cache->kv(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n, Hkv, Dh, stream_));
+      if (one_launch) {
         CUDA_CK(cuda::attention_decode(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->kv(l),
-                                       k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n, H, Hkv, Dh, p.n_splits,
-                                       partial_, split_counters_, stream_));
+                                       k_new ? k_new + t * Hkv * Dh : nullptr, v_new ? v_new + t * Hkv * Dh : nullptr,
+                                       pos_ + t, p.n, H, Hkv, Dh, p.n_splits, partial_, split_counters_, stream_));
         t += size_t(p.n);
         continue;
       }
-      CUDA_CK(cuda::kv_append(p.cache->kv(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n,
-                              Hkv * Dh, stream_));
+      if (!fp8)
+        CUDA_CK(cuda::kv_append(p.cache->kv(l), k_ + t * Hkv * Dh, v_ + t * Hkv * Dh, pos_ + t, p.n, Hkv, Dh, stream_));
       prompt_attention_(att_ + t * H * Dh, q_ + t * H * Dh, p.cache->kv(l), pos_ + t, p.n, H, Hkv, Dh,
                         p.n_splits, p.split_len, partial_, stream_);
       t += size_t(p.n);

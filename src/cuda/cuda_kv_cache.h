@@ -1,4 +1,4 @@
-// The paged KV cache of the CUDA backend: one pool of BF16 pages on the GPU for all sequences
+// The paged KV cache of the CUDA backend: one pool of BF16 or FP8 pages on the GPU for all sequences
 // (KvPagePool), a page table per sequence (CudaKvCache), and the prompt-attention kernel choice its
 // KvCache::attend uses (PromptAttention). The backend's kernels read the pages through
 // cuda::KvPages (kernels.h); KvCache::append and attend take device pointers (cuda_backend.h).
@@ -30,30 +30,50 @@ struct PromptAttention {
 };
 
 // The KV pages of every sequence (kernels.h, KvPages): K and V [layers, pages, kKvPageRows, Hkv,
-// Dh] BF16, allocated once, so that captured steps keep their pointers while sequences come, grow
-// and go; pages are handed out and taken back on the host.
+// Dh] in BF16, or FP8 codes with their exponents [layers, pages, kKvPageRows, Hkv], allocated once,
+// so that captured steps keep their pointers while sequences come, grow and go; pages are handed
+// out and taken back on the host.
 class KvPagePool {
  public:
-  KvPagePool(int layers, size_t row, int pages) : row_(row), pages_(pages) {
-    const size_t n = size_t(layers) * pages * cuda::kKvPageRows * row;
-    if (cudaMalloc(&k_, n * 2) != cudaSuccess || cudaMalloc(&v_, n * 2) != cudaSuccess) {
-      cudaFree(k_);  // the first may have succeeded
-      cudaGetLastError();
-      throw InputError("KV cache: cannot allocate " + std::to_string(2 * n * 2 >> 20) + " MiB of GPU memory for " +
-                       std::to_string(pages) + " pages");
+  // K and V of one page in every layer, in bytes.
+  static size_t page_bytes(int layers, int Hkv, int Dh, bool fp8) {
+    return size_t(2) * layers * cuda::kKvPageRows * Hkv * (fp8 ? Dh + 1 : 2 * Dh);
+  }
+  KvPagePool(int layers, int Hkv, int Dh, int pages, bool fp8)
+      : row_(size_t(Hkv) * Dh), hkv_(Hkv), pages_(pages), fp8_(fp8) {
+    const size_t rows = size_t(layers) * pages * cuda::kKvPageRows;
+    bool ok = alloc(k_, rows * row_ * value_bytes()) && alloc(v_, rows * row_ * value_bytes());
+    if (fp8) ok = ok && alloc(k_exp_, rows * Hkv) && alloc(v_exp_, rows * Hkv);
+    if (!ok) {
+      free_all();
+      throw InputError("KV cache: cannot allocate " + std::to_string(page_bytes(layers, Hkv, int(row_ / Hkv), fp8) * pages >> 20) +
+                       " MiB of GPU memory for " + std::to_string(pages) + " pages");
     }
     for (int p = pages - 1; p >= 0; --p) free_.push_back(p);
   }
-  ~KvPagePool() {
-    cudaFree(k_);
-    cudaFree(v_);
-  }
+  ~KvPagePool() { free_all(); }
   KvPagePool(const KvPagePool&) = delete;
   KvPagePool& operator=(const KvPagePool&) = delete;
 
-  bf16* k(int layer) const { return k_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
-  bf16* v(int layer) const { return v_ + size_t(layer) * pages_ * cuda::kKvPageRows * row_; }
-  size_t layer_values() const { return size_t(pages_) * cuda::kKvPageRows * row_; }  // one layer's pool
+  // One layer's pool, without a page table.
+  cuda::KvPages layer(int l) const {
+    const size_t rows = size_t(l) * pages_ * cuda::kKvPageRows, values = rows * row_;
+    if (!fp8_) return {static_cast<bf16*>(k_) + values, static_cast<bf16*>(v_) + values};
+    cuda::KvPages kv;
+    kv.fp8 = {static_cast<uint8_t*>(k_) + values, static_cast<uint8_t*>(v_) + values,
+              static_cast<int8_t*>(k_exp_) + rows * hkv_, static_cast<int8_t*>(v_exp_) + rows * hkv_};
+    return kv;
+  }
+  // Copies pages src[i] -> dst[i] (device tables) in every layer: the K/V values and, FP8, the exponents.
+  cudaError_t copy_pages(int layers, const int32_t* dst, const int32_t* src, int n, cudaStream_t s) const {
+    const size_t page_rows = cuda::kKvPageRows, layer_rows = page_rows * pages_;
+    cudaError_t e = cuda::kv_copy_pages(k_, v_, layer_rows * row_ * value_bytes(), page_rows * row_ * value_bytes(),
+                                        layers, dst, src, n, s);
+    if (e == cudaSuccess && fp8_)
+      e = cuda::kv_copy_pages(k_exp_, v_exp_, layer_rows * hkv_, page_rows * hkv_, layers, dst, src, n, s);
+    return e;
+  }
+  bool fp8() const { return fp8_; }
   int pages() const { return pages_; }
   int free_pages() const { return int(free_.size()); }
   // n more pages, or an error naming the pool's size (and nothing taken).
@@ -68,9 +88,16 @@ class KvPagePool {
   void give(std::span<const int32_t> pages) { free_.insert(free_.end(), pages.begin(), pages.end()); }
 
  private:
+  size_t value_bytes() const { return fp8_ ? 1 : 2; }
+  static bool alloc(void*& p, size_t bytes) { return cudaMalloc(&p, bytes) == cudaSuccess; }
+  void free_all() {
+    for (void* p : {k_, v_, k_exp_, v_exp_}) cudaFree(p);
+    cudaGetLastError();  // a failed allocation's error
+  }
   size_t row_;
-  int pages_;
-  bf16 *k_ = nullptr, *v_ = nullptr;
+  int hkv_, pages_;
+  bool fp8_;
+  void *k_ = nullptr, *v_ = nullptr, *k_exp_ = nullptr, *v_exp_ = nullptr;
   std::vector<int32_t> free_;
 };
 
@@ -79,7 +106,7 @@ class KvPagePool {
 class CudaKvCache final : public KvCache {
  public:
   CudaKvCache(const KvGeometry& g, KvPagePool& pool, int max_capacity, cudaStream_t s, PromptAttention attention)
-      : g_(g), row_(size_t(g.num_kv_heads) * g.head_dim), max_cap_(max_capacity), pool_(pool), stream_(s),
+      : g_(g), max_cap_(max_capacity), pool_(pool), stream_(s),
         attention_(attention), lens_(g.num_layers, 0), appended_(g.num_layers, 0) {
     const size_t entries = size_t(max_capacity + cuda::kKvPageRows - 1) / cuda::kKvPageRows;
     CUDA_CK(cudaMalloc(&table_, entries * 4));
@@ -91,7 +118,11 @@ class CudaKvCache final : public KvCache {
     cudaFree(partial_);
   }
 
-  cuda::KvPages kv(int layer) const { return {pool_.k(layer), pool_.v(layer), table_}; }
+  cuda::KvPages kv(int layer) const {
+    cuda::KvPages p = pool_.layer(layer);
+    p.table = table_;
+    return p;
+  }
   const int32_t* table() const { return table_; }
 
   // Pages for n rows; may copy to the device (never called inside a captured step).
@@ -114,7 +145,7 @@ class CudaKvCache final : public KvCache {
   void append(int layer, const float* k, const float* v, int T) override {
     reserve(lens_[layer] + T);
     upload_positions(lens_[layer], T);
-    CUDA_CK(cuda::kv_append(kv(layer), k, v, pos_, T, int(row_), stream_));
+    CUDA_CK(cuda::kv_append(kv(layer), k, v, pos_, T, g_.num_kv_heads, g_.head_dim, stream_));
     lens_[layer] += T;
     appended_[layer] = T;
   }
@@ -140,8 +171,7 @@ class CudaKvCache final : public KvCache {
     CHECK(can_copy_prefix(n));
     auto copy = std::make_unique<CudaKvCache>(g_, pool_, max_cap_, stream_, attention_);
     copy->reserve(n);
-    CUDA_CK(cuda::kv_copy_pages(pool_.k(0), pool_.v(0), pool_.layer_values(), g_.num_layers, copy->table_, table_,
-                                int(copy->pages_.size()), int(row_), stream_));
+    CUDA_CK(pool_.copy_pages(g_.num_layers, copy->table_, table_, int(copy->pages_.size()), stream_));
     for (int l = 0; l < g_.num_layers; ++l) copy->lens_[l] = n;
     return copy;
   }
@@ -159,7 +189,9 @@ class CudaKvCache final : public KvCache {
     }
   }
   // The pages held (whole pages: what the pool has handed out, as the scheduler counts them).
-  size_t bytes() const override { return pages_.size() * cuda::kKvPageRows * row_ * 2 * 2 * size_t(g_.num_layers); }
+  size_t bytes() const override {
+    return pages_.size() * KvPagePool::page_bytes(g_.num_layers, g_.num_kv_heads, g_.head_dim, pool_.fp8());
+  }
 
  private:
   void upload_positions(int first, int T) {
@@ -175,7 +207,6 @@ class CudaKvCache final : public KvCache {
   }
 
   KvGeometry g_;
-  size_t row_;
   int max_cap_;
   KvPagePool& pool_;
   cudaStream_t stream_;

@@ -6,6 +6,7 @@
 #include "cuda/attention_merge.cuh"
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
+#include "cuda/kv_fp8.cuh"
 
 #include <cfloat>
 #include <climits>
@@ -48,7 +49,7 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
 // of q or of k (norm over the whole projection, which one block must see); q's segments first.
 // A thread per rotated pair where the block allows. RMSNorm over the segment, then RoPE, in place.
 // With kv.table (or kv.tables: token t's own sequence's), k's segments also write their rotated keys
-// and the values v to cache row pos[t].
+// and the values v to cache row pos[t] (FP8 pages: once the segment is rotated, a warp per head).
 // With `early`, what no kernel of the pass writes -- the position and page table (copied before
 // the pass's first kernel), the norm weights -- and what follows from them (the thread's first
 // pair's angle by powf / sincosf, its cache row) are taken before the wait for the q/k/v
@@ -105,15 +106,23 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     const float a = nw ? r[j] * inv * wa : r[j], b = nw ? r[j + half] * inv * wb : r[j + half];
     r[j] = a * cs - b * sn;
     r[j + half] = b * cs + a * sn;
-    if (append) {
+    if (append && !kv.is_fp8()) {
       const size_t at = cache_at + size_t(h) * Dh;
       reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j] = __float2bfloat16_rn(r[j]);
       reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j + half] = __float2bfloat16_rn(r[j + half]);
     }
   }
-  if (append)  // the segment's values, as they are
+  if (append && !kv.is_fp8())  // the segment's values, as they are
     for (int i = threadIdx.x; i < len; i += blockDim.x)
       reinterpret_cast<__nv_bfloat16*>(kv.v)[cache_at + i] = __float2bfloat16_rn(vin[size_t(t) * Hkv * Dh + first + i]);
+  if (append && kv.is_fp8()) {
+    __syncthreads();  // the block's rotated keys, written above, read by every warp
+    for (int h = threadIdx.x >> 5; h < heads; h += blockDim.x >> 5) {
+      const size_t at = cache_at + size_t(h) * Dh;  // the head's row in the pool, in values
+      quantize_fp8_row(v + size_t(h) * Dh, Dh, kv.fp8.k + at, kv.fp8.k_exp + at / Dh);
+      quantize_fp8_row(vin + size_t(t) * Hkv * Dh + first + size_t(h) * Dh, Dh, kv.fp8.v + at, kv.fp8.v_exp + at / Dh);
+    }
+  }
 }
 
 __global__ void add_bias_kernel(float* x, const float* b, int T, int N) {
@@ -160,12 +169,22 @@ __global__ void kv_append_kernel(KvPages kv, const float* k, const float* v, con
   }
 }
 
-// grid (pages, layers): one block copies one page of K and of V, 16 bytes per load (a page is
-// kKvPageRows * row BF16 values: a multiple of 64 bytes, at a multiple of 128 in the pool).
-__global__ void kv_copy_pages_kernel(bf16* k, bf16* v, size_t layer_stride, const int32_t* dst_table,
-                                     const int32_t* src_table, size_t page_values) {
-  const size_t layer = size_t(blockIdx.y) * layer_stride, n16 = page_values / 8;
-  const size_t from = layer + size_t(src_table[blockIdx.x]) * page_values, to = layer + size_t(dst_table[blockIdx.x]) * page_values;
+// FP8 pages: grid (T, ceil(Hkv / 8)), 8 warps, a warp per (token, KV head) row.
+__global__ void kv_append_fp8_kernel(KvFp8 kv, const int32_t* table, const float* k, const float* v,
+                                     const int32_t* pos, int Hkv, int Dh) {
+  const int t = blockIdx.x, kvh = blockIdx.y * 8 + (threadIdx.x >> 5);
+  if (kvh >= Hkv) return;
+  const size_t dst = (kv_row(table, pos[t]) * Hkv + kvh) * Dh, src = (size_t(t) * Hkv + kvh) * Dh;
+  quantize_fp8_row(k + src, Dh, kv.k + dst, kv.k_exp + dst / Dh);
+  quantize_fp8_row(v + src, Dh, kv.v + dst, kv.v_exp + dst / Dh);
+}
+
+// grid (pages, layers): one block copies one page of K and of V, 16 bytes per load (page_bytes a
+// multiple of 16, pages at multiples of it in the pool).
+__global__ void kv_copy_pages_kernel(uint8_t* k, uint8_t* v, size_t layer_stride, const int32_t* dst_table,
+                                     const int32_t* src_table, size_t page_bytes) {
+  const size_t layer = size_t(blockIdx.y) * layer_stride, n16 = page_bytes / 16;
+  const size_t from = layer + size_t(src_table[blockIdx.x]) * page_bytes, to = layer + size_t(dst_table[blockIdx.x]) * page_bytes;
   const uint4 *sk = reinterpret_cast<const uint4*>(k + from), *sv = reinterpret_cast<const uint4*>(v + from);
   uint4 *dk = reinterpret_cast<uint4*>(k + to), *dv = reinterpret_cast<uint4*>(v + to);
   for (size_t i = threadIdx.x; i < n16; i += blockDim.x) {
@@ -179,7 +198,8 @@ constexpr int kAttnJ = kAttnMaxDh / 32;
 
 // grid (H, n_splits, T), kAttnWarps warps. Warp w takes keys start+w, start+w+4, ... with an
 // online softmax; lane holds dims lane, lane+32, ...; the warps merge in shared memory and the
-// block writes (max, sum, unnormalized acc[Dh]) for its split.
+// block writes (max, sum, unnormalized acc[Dh]) for its split. FP8: the pages are FP8 rows.
+template <bool FP8>
 __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
     float* __restrict__ partial, const float* __restrict__ q, KvPages kv, const int32_t* __restrict__ pos, int H,
     int Hkv, int Dh, int split_len) {
@@ -201,11 +221,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   for (int key = start + w; key < end; key += kAttnWarps) {
     const size_t off = kv_row(kv.table, key) * stride + size_t(kvh) * Dh;
     const bf16 *kp = kv.k + off, *vp = kv.v + off;
+    const int ke = FP8 ? kv.fp8.k_exp[off / Dh] : 0, ve = FP8 ? kv.fp8.v_exp[off / Dh] : 0;
+    auto k_at = [&](int d) { return FP8 ? fp8_to_float(kv.fp8.k[off + d], ke) : bf(kp[d]); };
+    auto v_at = [&](int d) { return FP8 ? fp8_to_float(kv.fp8.v[off + d], ve) : bf(vp[d]); };
     float sc = 0.f;
 #pragma unroll
     for (int j = 0; j < kAttnJ; ++j) {
       const int d = lane + 32 * j;
-      if (d < Dh) sc = fmaf(qr[j], bf(kp[d]), sc);
+      if (d < Dh) sc = fmaf(qr[j], k_at(d), sc);
     }
     sc = warp_sum(sc);
     const float m_new = fmaxf(m, sc);
@@ -214,7 +237,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
 #pragma unroll
     for (int j = 0; j < kAttnJ; ++j) {
       const int d = lane + 32 * j;
-      if (d < Dh) acc[j] = acc[j] * corr + p * bf(vp[d]);
+      if (d < Dh) acc[j] = acc[j] * corr + p * v_at(d);
     }
     m = m_new;
   }
@@ -349,17 +372,22 @@ cudaError_t to_bf16(bf16* hi, bf16* lo, const float* x, size_t n, cudaStream_t s
   return cudaGetLastError();
 }
 
-cudaError_t kv_copy_pages(bf16* k, bf16* v, size_t layer_stride, int layers, const int32_t* dst_table,
-                          const int32_t* src_table, int pages, int row, cudaStream_t s) {
+cudaError_t kv_copy_pages(void* k, void* v, size_t layer_stride, size_t page_bytes, int layers,
+                          const int32_t* dst_table, const int32_t* src_table, int pages, cudaStream_t s) {
+  if (page_bytes % 16 != 0 || layer_stride % 16 != 0) return cudaErrorInvalidValue;
   if (pages <= 0 || layers <= 0) return cudaSuccess;
-  kv_copy_pages_kernel<<<dim3(pages, layers), 256, 0, s>>>(k, v, layer_stride, dst_table, src_table,
-                                                           size_t(kKvPageRows) * row);
+  kv_copy_pages_kernel<<<dim3(pages, layers), 256, 0, s>>>(static_cast<uint8_t*>(k), static_cast<uint8_t*>(v),
+                                                           layer_stride, dst_table, src_table, page_bytes);
   return cudaGetLastError();
 }
 
-cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s) {
+cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int Hkv, int Dh,
+                      cudaStream_t s) {
   if (T == 0) return cudaSuccess;
-  kv_append_kernel<<<T, 256, 0, s>>>(kv, k, v, pos, row);
+  if (kv.is_fp8())
+    kv_append_fp8_kernel<<<dim3(T, (Hkv + 7) / 8), 256, 0, s>>>(kv.fp8, kv.table, k, v, pos, Hkv, Dh);
+  else
+    kv_append_kernel<<<T, 256, 0, s>>>(kv, k, v, pos, Hkv * Dh);
   return cudaGetLastError();
 }
 
@@ -367,7 +395,11 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
                       int n_splits, int split_len, float* partial, cudaStream_t s) {
   if (Dh > kAttnMaxDh || H % Hkv != 0 || n_splits < 1) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  attention_split_kernel<<<dim3(H, n_splits, T), kAttnWarps * 32, 0, s>>>(partial, q, kv, pos, H, Hkv, Dh, split_len);
+  const dim3 grid(H, n_splits, T);
+  if (kv.is_fp8())
+    attention_split_kernel<true><<<grid, kAttnWarps * 32, 0, s>>>(partial, q, kv, pos, H, Hkv, Dh, split_len);
+  else
+    attention_split_kernel<false><<<grid, kAttnWarps * 32, 0, s>>>(partial, q, kv, pos, H, Hkv, Dh, split_len);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return attention_merge_splits(out, partial, T, H, Dh, n_splits, s);

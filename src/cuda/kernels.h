@@ -28,15 +28,30 @@ constexpr int kAttnMaxDh = 256;   // attention(): head_dim at most
 // kKvPageRows, Hkv, Dh] BF16; a sequence's page table maps its row pos to pool row
 // table[pos / kKvPageRows] * kKvPageRows + pos % kKvPageRows. One page holds one tile of the
 // attention kernels at Dh 128.
+// A pool of FP8 rows (kv/fp8_rows.h) instead: K and V codes [pages, kKvPageRows, Hkv, Dh] one byte
+// each, and an int8 exponent per (row, KV head), [pages, kKvPageRows, Hkv]: value offset i of the
+// codes has its exponent at i / Dh. Every kernel that reads the pages dequantizes them into the
+// BF16 values it reads from a BF16 pool (exactly: code * 2^e), and every kernel that writes them
+// quantizes a (row, KV head) at a time; kernels that take new rows beside the cache (k_new, v_new)
+// need them in the cache first with FP8 pages.
 constexpr int kKvPageRows = 64;
+struct KvFp8 {
+  uint8_t* k = nullptr;       // the layer's K codes
+  uint8_t* v = nullptr;       // its V codes
+  int8_t* k_exp = nullptr;    // their exponents
+  int8_t* v_exp = nullptr;
+};
 struct KvPages {  // one sequence in one layer's pool, or (tables) one token of each of T sequences
-  bf16* k = nullptr;               // the layer's K pool
+  bf16* k = nullptr;               // the layer's K pool (BF16 pages)
   bf16* v = nullptr;               // its V pool
   const int32_t* table = nullptr;  // the sequence's page table, DEVICE memory
   // A decode batch instead: token t is the one new token of its own sequence, whose page table is
-  // tables[t] (T pointers in DEVICE memory, to the tables). Taken by qk_norm_rope and attention_prefill.
+  // tables[t] (T pointers in DEVICE memory, to the tables). Taken by qk_norm_rope, attention_prefill
+  // and attention_decode_batch.
   const int32_t* const* tables = nullptr;
+  KvFp8 fp8{};  // FP8 pages instead of k and v (null: BF16 pages)
   __host__ __device__ const int32_t* table_of(int t) const { return tables ? tables[t] : table; }
+  __host__ __device__ bool is_fp8() const { return fp8.k != nullptr; }
 };
 
 // Programmatic dependent launch for the decode kernels (gemv, gemv3, qk_norm_rope,
@@ -59,7 +74,7 @@ cudaError_t rmsnorm(float* y, const float* x, const float* w, int rows, int D, f
 // q[T, H, Dh] and k[T, Hkv, Dh] in place: RMSNorm (when q_norm/k_norm are given: per head, weights
 // [Dh], or over the whole projection when `full`, weights [H*Dh] / [Hkv*Dh]), then RoPE at pos[T],
 // in one launch. With append.table: also the cache's rows pos[t] <- the rotated k[t] and v[t]
-// [T, Hkv, Dh] in BF16 (what kv_append writes), for attention that reads only the cache.
+// [T, Hkv, Dh] in BF16 or FP8 rows (what kv_append writes), for attention that reads only the cache.
 //                                                                 twin: rmsnorm + rope (+ kv_append)
 cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k_norm, bool full, const int32_t* pos,
                          int T, int H, int Hkv, int Dh, float eps, float theta, cudaStream_t s, KvPages append = {},
@@ -233,15 +248,18 @@ cudaError_t moe_expert_gemm_bf16(float* out, const bf16* in_hi, const bf16* in_l
                                  const int32_t* rows, const int32_t* tile_expert, int TK, int E, int N, int Kd,
                                  cudaStream_t s);
 
-// KV cache row pos[t] <- k[t], v[t] in BF16 (row = Hkv*Dh values).
-cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int row, cudaStream_t s);
+// KV cache row pos[t] <- k[t], v[t] [T, Hkv, Dh] in BF16, or as FP8 rows.
+//                                     twin: f32_to_bf16, or fp8_quantize_rows per (token, KV head)
+cudaError_t kv_append(KvPages kv, const float* k, const float* v, const int32_t* pos, int T, int Hkv, int Dh,
+                      cudaStream_t s);
 
 // A sequence's first `pages` pages copied to another's, in every layer: pool page dst_table[i] <-
-// src_table[i] (K and V, kKvPageRows rows of `row` values; the tables in DEVICE memory), layer l's
-// pool at k + l * layer_stride (and v). For the prefix cache (CudaKvCache::copy_prefix).
+// src_table[i] (the tables in DEVICE memory) in both pools k and v, pages of page_bytes bytes (a
+// multiple of 16), layer l's pool at k + l * layer_stride bytes (and v). For the prefix cache
+// (CudaKvCache::copy_prefix): once for the K/V pages, and for FP8 pages once more for their exponents.
 //                                                       twin: the same copies on the host (cuda_check)
-cudaError_t kv_copy_pages(bf16* k, bf16* v, size_t layer_stride, int layers, const int32_t* dst_table,
-                          const int32_t* src_table, int pages, int row, cudaStream_t s);
+cudaError_t kv_copy_pages(void* k, void* v, size_t layer_stride, size_t page_bytes, int layers,
+                          const int32_t* dst_table, const int32_t* src_table, int pages, cudaStream_t s);
 
 // Causal GQA attention, split over keys: query t (head h) sees cache rows 0 .. pos[t].
 // q[T, H, Dh] -> out[T, H, Dh]. Keys are cut into n_splits chunks of split_len (n_splits *
@@ -289,21 +307,22 @@ cudaError_t attention_merge_splits(float* out, const float* partial, int T, int 
 // Decode attention in one launch (attention_decode.cu), for T <= kGemvMaxT new tokens of one
 // sequence at contiguous positions pos[0], pos[0]+1, ...: writes their rows k_new/v_new[T, Hkv*Dh]
 // into the cache, attends over rows 0 .. pos[t] (the new rows read from k_new/v_new), cutting the
-// keys into n_splits equal splits, and merges them. partial[T, H, n_splits, Dh + 2] is scratch;
+// keys into n_splits equal splits, and merges them. With k_new and v_new null the new rows are in the
+// cache already (FP8 pages: qk_norm_rope's or kv_append's rows). partial[T, H, n_splits, Dh + 2] is scratch;
 // counters[T * H] must be zero before the first launch and are left zero. Under programmatic
 // launch the first tile of cached rows (before pos[0]) is read before the wait for the previous
 // kernel: that kernel must not write them (nor pos, nor the page tables).   twin: kv_append + attention_causal
 cudaError_t attention_decode(float* out, const float* q, KvPages kv, const float* k_new, const float* v_new,
                              const int32_t* pos, int T, int H, int Hkv, int Dh, int n_splits, float* partial,
                              unsigned* counters, cudaStream_t s);
-// The same for B sequences with one new token each, in one launch: all in the pool k_pool / v_pool,
-// token b's page table tables[b] (a DEVICE array of B device pointers), its position pos[b]; each
+// The same for B sequences with one new token each, in one launch: all in kv's pool, token b's page
+// table kv.tables[b] (a DEVICE array of B device pointers), its position pos[b]; each
 // sequence's keys are cut into n_splits splits (n_splits for the longest: shorter ones get shorter
 // splits). partial[B, H, n_splits, Dh + 2]; counters[B * H] as above.   twin: per sequence,
 // kv_append + attention_causal
-cudaError_t attention_decode_batch(float* out, const float* q, bf16* k_pool, bf16* v_pool, const int32_t* const* tables,
-                                   const float* k_new, const float* v_new, const int32_t* pos, int B, int H, int Hkv,
-                                   int Dh, int n_splits, float* partial, unsigned* counters, cudaStream_t s);
+cudaError_t attention_decode_batch(float* out, const float* q, KvPages kv, const float* k_new, const float* v_new,
+                                   const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits, float* partial,
+                                   unsigned* counters, cudaStream_t s);
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
 // Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
 void set_attention_early(bool on);

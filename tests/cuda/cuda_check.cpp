@@ -43,6 +43,7 @@
 #include "cuda/kernels.h"
 #include "cuda/sampling.h"
 #include "engine/sampler.h"
+#include "kv/fp8_rows.h"
 #include "queued_decode.h"
 #include "test_util.h"
 
@@ -909,7 +910,7 @@ void prompt_attention_case(int T, int past, int H, int Hkv, int Dh, Run run) {
   Dev<uint16_t> dkc(pool.k), dvc(pool.v);
   Dev<int32_t> dp(pos), dt(table);
   const cu::KvPages kv{dkc.p, dvc.p, dt.p};
-  CK(cu::kv_append(kv, dk.p, dv.p, dp.p, T, row, 0));
+  CK(cu::kv_append(kv, dk.p, dv.p, dp.p, T, Hkv, Dh, 0));
   pool.put(table, past, T, kb.data() + size_t(past) * row, vb.data() + size_t(past) * row);
   const bool pool_exact = dkc.get() == pool.k && dvc.get() == pool.v;
   report(fmt("kv_append T=%d past=%d row=%d: the pool exact", T, past, row), pool_exact ? 0.0 : 1.0, 0.0);
@@ -931,9 +932,8 @@ void check_kv_copy_pages() {
     const std::vector<int32_t> src(ids.begin(), ids.begin() + c.pages), dst(ids.begin() + c.pages, ids.begin() + 2 * c.pages);
     Dev<uint16_t> dk(k), dv(v);
     Dev<int32_t> ds(src), dd(dst);
-    CK(cu::kv_copy_pages(reinterpret_cast<cu::bf16*>(dk.p), reinterpret_cast<cu::bf16*>(dv.p), layer, c.layers, dd.p,
-                         ds.p, c.pages, c.row, 0));
     const size_t page = size_t(cu::kKvPageRows) * c.row;
+    CK(cu::kv_copy_pages(dk.p, dv.p, layer * 2, page * 2, c.layers, dd.p, ds.p, c.pages, 0));
     for (int l = 0; l < c.layers; ++l)
       for (int i = 0; i < c.pages; ++i) {
         std::copy_n(k.begin() + ptrdiff_t(l * layer + src[size_t(i)] * page), page, k.begin() + ptrdiff_t(l * layer + dst[size_t(i)] * page));
@@ -1205,12 +1205,12 @@ void check_attention_decode_batch() {
     Dev<int32_t> dp(pos);
     Dev<unsigned> cnt(size_t(B) * c.H);
     CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
-    CK(cu::attention_decode_batch(dout.p, dq.p, dkc.p, dvc.p, dtp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
-                                  part.p, cnt.p, 0));
+    CK(cu::attention_decode_batch(dout.p, dq.p, cu::KvPages{dkc.p, dvc.p, nullptr, dtp.p}, dk.p, dv.p, dp.p, B, c.H,
+                                  c.Hkv, c.Dh, c.n_splits, part.p, cnt.p, 0));
     const auto got = dout.get();
     dout.poison();
-    CK(cu::attention_decode_batch(dout.p, dq.p, dkc.p, dvc.p, dtp.p, dk.p, dv.p, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits,
-                                  part.p, cnt.p, 0));
+    CK(cu::attention_decode_batch(dout.p, dq.p, cu::KvPages{dkc.p, dvc.p, nullptr, dtp.p}, dk.p, dv.p, dp.p, B, c.H,
+                                  c.Hkv, c.Dh, c.n_splits, part.p, cnt.p, 0));
     const bool same = std::memcmp(got.data(), dout.get().data(), got.size() * 4) == 0;
     const bool cache_exact = dkc.get() == pool.k && dvc.get() == pool.v;
     int longest = 0;
@@ -1254,6 +1254,247 @@ void check_attention_decode_batch() {
              equal ? 0.0 : 1.0, 0.0);
     }
     for (auto* d : dtables) delete d;
+  }
+}
+
+// ---- FP8 pages (kv_fp8.cuh) against their twins fp8_quantize_rows / fp8_dequantize_rows ----
+
+// An FP8 pool on the host (kernels.h KvFp8) in the shuffled-page layout of PagedKv: codes and
+// exponents; rows no sequence holds stay poisoned (code 0xff is NaN, exponent 127), so a kernel
+// that reads one gives NaN and one that writes one differs from `want`.
+struct PagedFp8 {
+  int Hkv, Dh;
+  PagedKv pages;  // its free list and table(); its k, v unused
+  std::vector<uint8_t> k, v;
+  std::vector<int8_t> ke, ve;
+  PagedFp8(int Hkv_, int Dh_, int n_pages)
+      : Hkv(Hkv_), Dh(Dh_), pages(Hkv_ * Dh_, 0), k(size_t(n_pages) * cu::kKvPageRows * Hkv_ * Dh_, 0xff), v(k),
+        ke(size_t(n_pages) * cu::kKvPageRows * Hkv_, int8_t(127)), ve(ke) {
+    for (int p = 0; p < n_pages; ++p) pages.free_pages.push_back(p);
+    std::shuffle(pages.free_pages.begin(), pages.free_pages.end(), rng);
+  }
+  std::vector<int32_t> table(int rows) { return pages.table(rows); }
+  // Rows [first, first + n) <- the quantized rows of xk, xv [n, Hkv, Dh].
+  void put(const std::vector<int32_t>& t, int first, int n, const float* xk, const float* xv) {
+    const size_t row = size_t(Hkv) * Dh;
+    std::vector<uint8_t> ck(n * row), cv(n * row);
+    std::vector<int8_t> ek(size_t(n) * Hkv), ev(ek.size());
+    fp8_quantize_rows(xk, size_t(n) * Hkv, Dh, ck.data(), ek.data());
+    fp8_quantize_rows(xv, size_t(n) * Hkv, Dh, cv.data(), ev.data());
+    for (int r = 0; r < n; ++r) {
+      const size_t at = size_t(t[(first + r) / cu::kKvPageRows]) * cu::kKvPageRows + (first + r) % cu::kKvPageRows;
+      std::copy_n(ck.begin() + r * row, row, k.begin() + at * row);
+      std::copy_n(cv.begin() + r * row, row, v.begin() + at * row);
+      std::copy_n(ek.begin() + size_t(r) * Hkv, Hkv, ke.begin() + at * Hkv);
+      std::copy_n(ev.begin() + size_t(r) * Hkv, Hkv, ve.begin() + at * Hkv);
+    }
+  }
+};
+// The pool on the device.
+struct DevFp8 {
+  Dev<uint8_t> k, v;
+  Dev<int8_t> ke, ve;
+  explicit DevFp8(const PagedFp8& h) : k(h.k), v(h.v), ke(h.ke), ve(h.ve) {}
+  cu::KvPages pages(const int32_t* table, const int32_t* const* tables = nullptr) const {
+    cu::KvPages p;
+    p.table = table, p.tables = tables, p.fp8 = {k.p, v.p, ke.p, ve.p};
+    return p;
+  }
+  bool equals(const PagedFp8& h) const { return k.get() == h.k && v.get() == h.v && ke.get() == h.ke && ve.get() == h.ve; }
+};
+
+// K/V rows as a model makes them, and worse: magnitudes over 2^-8 .. 2^8 by row, an outlier channel,
+// and whole zero rows.
+std::vector<float> kv_rows(int n, int Hkv, int Dh) {
+  auto x = randn(size_t(n) * Hkv * Dh);
+  for (size_t r = 0; r < size_t(n) * Hkv; ++r)
+    for (int i = 0; i < Dh; ++i) {
+      float& e = x[r * Dh + i];
+      e = r % 11 == 5 ? 0.f : e * std::ldexp(1.f, int(r % 17) - 8) * (i == 3 ? 30.f : 1.f);
+    }
+  return x;
+}
+
+// The BF16 rows an FP8 pool holds for x [n, Hkv, Dh] (what attention over it must match).
+std::vector<uint16_t> fp8_as_bf16(const std::vector<float>& x, int Dh) {
+  const size_t rows = x.size() / Dh;
+  std::vector<uint8_t> c(x.size());
+  std::vector<int8_t> e(rows);
+  std::vector<uint16_t> b(x.size());
+  fp8_quantize_rows(x.data(), rows, Dh, c.data(), e.data());
+  fp8_dequantize_rows(c.data(), e.data(), rows, Dh, b.data());
+  return b;
+}
+
+// kv_append and qk_norm_rope's append into FP8 pages: every code and exponent as the twin's, bit for
+// bit, nothing else written; kv_copy_pages of the exponents' pages (Hkv bytes a row).
+void check_kv_fp8_writes() {
+  struct C { int T, past, Hkv, Dh; };
+  for (C c : {C{1, 0, 1, 16}, C{7, 33, 2, 64}, C{40, 300, 8, 128}, C{3, 17, 3, 96}, C{1, 4095, 16, 128}, C{5, 0, 4, 256}}) {
+    const int n = c.past + c.T;
+    PagedFp8 pool(c.Hkv, c.Dh, PagedKv::pages_for(n) + 2);
+    const auto table = pool.table(n);
+    auto k = kv_rows(c.T, c.Hkv, c.Dh), v = kv_rows(c.T, c.Hkv, c.Dh);
+    std::vector<int32_t> pos(c.T);
+    for (int t = 0; t < c.T; ++t) pos[t] = c.past + t;
+    DevFp8 dpool(pool);
+    Dev<float> dk(k), dv(v);
+    Dev<int32_t> dp(pos), dt(table);
+    CK(cu::kv_append(dpool.pages(dt.p), dk.p, dv.p, dp.p, c.T, c.Hkv, c.Dh, 0));
+    pool.put(table, c.past, c.T, k.data(), v.data());
+    report(fmt("kv_append FP8 T=%d past=%d Hkv=%d Dh=%d: codes and exponents exact", c.T, c.past, c.Hkv, c.Dh),
+           dpool.equals(pool) ? 0.0 : 1.0, 0.0);
+  }
+  // qk_norm_rope's append: the rotated keys it leaves in k (and v as given) quantized by the twin.
+  struct R { int T, H, Hkv, Dh; bool norm, full; };
+  for (R c : {R{1, 16, 16, 128, true, true}, R{3, 8, 2, 64, true, false}, R{2, 4, 4, 128, false, false},
+              R{5, 32, 4, 128, true, false}, R{1, 6, 3, 256, true, true}}) {
+    const int past = 70, n = past + c.T;
+    PagedFp8 pool(c.Hkv, c.Dh, PagedKv::pages_for(n) + 2);
+    const auto table = pool.table(n);
+    auto q = randn(size_t(c.T) * c.H * c.Dh), k = kv_rows(c.T, c.Hkv, c.Dh), v = kv_rows(c.T, c.Hkv, c.Dh);
+    const auto qn = randn(size_t(c.full ? c.H : 1) * c.Dh), kn = randn(size_t(c.full ? c.Hkv : 1) * c.Dh);
+    std::vector<int32_t> pos(c.T);
+    for (int t = 0; t < c.T; ++t) pos[t] = past + t;
+    DevFp8 dpool(pool);
+    Dev<float> dq(q), dk(k), dv(v), dqn(qn), dkn(kn), dq2(q), dk2(k);
+    Dev<int32_t> dp(pos), dt(table);
+    const float *qnp = c.norm ? dqn.p : nullptr, *knp = c.norm ? dkn.p : nullptr;
+    CK(cu::qk_norm_rope(dq.p, dk.p, qnp, knp, c.full, dp.p, c.T, c.H, c.Hkv, c.Dh, 1e-6f, 1e6f, 0, dpool.pages(dt.p), dv.p));
+    CK(cu::qk_norm_rope(dq2.p, dk2.p, qnp, knp, c.full, dp.p, c.T, c.H, c.Hkv, c.Dh, 1e-6f, 1e6f, 0));
+    const auto rotated = dk2.get();
+    pool.put(table, past, c.T, rotated.data(), v.data());
+    const bool same_qk = dq.get() == dq2.get() && dk.get() == rotated;
+    report(fmt("qk_norm_rope append FP8 T=%d G=%d Hkv=%d Dh=%d norm=%s: codes and exponents exact", c.T, c.H / c.Hkv,
+               c.Hkv, c.Dh, c.norm ? (c.full ? "full" : "per head") : "none"),
+           dpool.equals(pool) && same_qk ? 0.0 : 1.0, 0.0, same_qk ? "" : "q/k unlike the launch without append");
+  }
+  {  // the exponents' pages: 64 * Hkv bytes each (Hkv = 3: not a multiple of 16 rows' worth per row)
+    const int layers = 2, n_pages = 7, Hkv = 3;
+    const size_t page = size_t(cu::kKvPageRows) * Hkv, layer = page * n_pages;
+    std::vector<uint8_t> a(layer * layers), b(a.size());
+    for (auto& x : a) x = uint8_t(rng());
+    for (auto& x : b) x = uint8_t(rng());
+    const std::vector<int32_t> src{4, 0, 6}, dst{1, 5, 2};
+    Dev<uint8_t> da(a), db(b);
+    Dev<int32_t> ds(src), dd(dst);
+    CK(cu::kv_copy_pages(da.p, db.p, layer, page, layers, dd.p, ds.p, 3, 0));
+    for (int l = 0; l < layers; ++l)
+      for (int i = 0; i < 3; ++i) {
+        std::copy_n(a.begin() + ptrdiff_t(l * layer + src[i] * page), page, a.begin() + ptrdiff_t(l * layer + dst[i] * page));
+        std::copy_n(b.begin() + ptrdiff_t(l * layer + src[i] * page), page, b.begin() + ptrdiff_t(l * layer + dst[i] * page));
+      }
+    const bool refused = cu::kv_copy_pages(da.p, db.p, layer, 24, layers, dd.p, ds.p, 3, 0) == cudaErrorInvalidValue;
+    report("kv_copy_pages of FP8 exponent pages (192 bytes), exact; pages not of 16-byte multiples refused",
+           da.get() == a && db.get() == b && refused ? 0.0 : 1.0, 0.0);
+  }
+}
+
+// Attention over FP8 pages, every kernel that reads them, against attention_causal over the BF16 rows
+// the codes decode to (exactly), with the pool left as it was: the split kernel, the tensor-core
+// prompt kernel (and its decode forms), the one-launch decode kernel in both its forms (the new rows
+// already in the pool: k_new null), the decode batch through page tables on both kernels.
+void check_attention_fp8() {
+  struct C { int T, past, H, Hkv, Dh; };
+  auto one = [&](C c, auto run) {
+    const int n = c.past + c.T;
+    auto q = randn(size_t(c.T) * c.H * c.Dh), k = kv_rows(n, c.Hkv, c.Dh), v = kv_rows(n, c.Hkv, c.Dh);
+    const auto kb = fp8_as_bf16(k, c.Dh), vb = fp8_as_bf16(v, c.Dh);
+    std::vector<float> ref(q.size());
+    attention_causal(ref.data(), q.data(), kb.data(), vb.data(), DType::BF16, c.T, c.past, c.H, c.Hkv, c.Dh);
+    PagedFp8 pool(c.Hkv, c.Dh, PagedKv::pages_for(n) + 2);
+    const auto table = pool.table(n);
+    pool.put(table, 0, n, k.data(), v.data());
+    std::vector<int32_t> pos(c.T);
+    for (int t = 0; t < c.T; ++t) pos[t] = c.past + t;
+    DevFp8 dpool(pool);
+    Dev<float> dq(q), dout(q.size());
+    Dev<int32_t> dp(pos), dt(table);
+    const std::string name = run(dout, dq.p, dpool.pages(dt.p), dp.p);
+    report(name + fmt(" FP8 T=%d past=%d G=%d Hkv=%d Dh=%d", c.T, c.past, c.H / c.Hkv, c.Hkv, c.Dh), rel(dout.get(), ref),
+           1e-5, dpool.equals(pool) ? "" : "POOL CHANGED");
+    if (!dpool.equals(pool)) ++g_fail;
+  };
+  for (C c : {C{1, 0, 4, 2, 16}, C{7, 33, 4, 2, 96}, C{40, 300, 8, 8, 64}, C{1, 4095, 16, 16, 128}, C{2, 5, 2, 1, 256}})
+    one(c, [&](auto& out, auto q, auto kv, auto pos) {
+      const int split = 64, n_splits = (c.past + c.T + split - 1) / split;
+      Dev<float> part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
+      CK(cu::attention(out.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, split, part.p, 0));
+      return std::string("attention (split)");
+    });
+  for (C c : {C{65, 300, 16, 4, 128}, C{200, 1, 12, 4, 64}, C{512, 700, 16, 16, 128}, C{1, 4095, 32, 4, 128},
+              C{2, 300, 16, 2, 64}, C{3, 63, 20, 4, 128}, C{16, 100, 4, 4, 64}})
+    for (int splits : {1, 3})
+      one(c, [&](auto& out, auto q, auto kv, auto pos) {
+        Dev<float> part(size_t(c.T) * c.H * splits * (c.Dh + 2));
+        CK(cu::attention_prefill(out.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, true, 0, part.p, splits));
+        return fmt("attention_prefill, %d key splits,", splits);
+      });
+  for (int mode : {1, 0, 2}) {  // the per-head kernel where the default takes it, never, always
+    cu::set_attention_decode_per_head(mode);
+    for (C c : {C{1, 4095, 16, 16, 128}, C{1, 1000, 32, 4, 128}, C{3, 17, 12, 2, 32}, C{1, 5, 2, 1, 256},
+                C{8, 300, 8, 8, 64}, C{1, 63, 8, 2, 128}, C{2, 9000, 8, 1, 64}})
+      one(c, [&](auto& out, auto q, auto kv, auto pos) {
+        const int n_splits = (c.past + c.T + 127) / 128;
+        Dev<float> part(size_t(c.T) * c.H * n_splits * (c.Dh + 2));
+        Dev<unsigned> cnt(size_t(c.T) * c.H);
+        CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
+        CK(cu::attention_decode(out.p, q, kv, nullptr, nullptr, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p, cnt.p, 0));
+        return fmt("attention_decode (per-head mode %d, %d splits)", mode, n_splits);
+      });
+  }
+  cu::set_attention_decode_per_head(1);
+  {  // new rows given beside FP8 pages: refused (they must be quantized into the pool first)
+    cu::KvPages kv;
+    kv.table = reinterpret_cast<const int32_t*>(16);
+    kv.fp8.k = reinterpret_cast<uint8_t*>(16);
+    const float* some = reinterpret_cast<const float*>(16);
+    report("attention_decode refuses k_new with FP8 pages",
+           cu::attention_decode(nullptr, nullptr, kv, some, some, nullptr, 1, 8, 8, 64, 1, nullptr, nullptr, 0) ==
+                   cudaErrorInvalidValue ? 0.0 : 1.0, 0.0);
+  }
+  // A decode batch: B sequences, one new token each (its row in the pool), through page tables.
+  struct Bc { std::vector<int> pasts; int H, Hkv, Dh, n_splits; };
+  for (const Bc& c : {Bc{{0, 1000, 63}, 32, 4, 128, 16}, Bc{{4095, 17, 300, 2, 900, 64, 1, 2047}, 8, 4, 64, 32},
+                      Bc{{5, 9000}, 16, 16, 128, 72}}) {
+    const int B = int(c.pasts.size());
+    auto q = randn(size_t(B) * c.H * c.Dh);
+    std::vector<float> ref(q.size());
+    int n_pages = 2;
+    for (int p : c.pasts) n_pages += PagedKv::pages_for(p + 1);
+    PagedFp8 pool(c.Hkv, c.Dh, n_pages);
+    std::vector<std::unique_ptr<Dev<int32_t>>> dtables;
+    std::vector<const int32_t*> table_ptrs;
+    std::vector<int32_t> pos(B);
+    for (int b = 0; b < B; ++b) {
+      const int n = c.pasts[b] + 1;
+      const auto k = kv_rows(n, c.Hkv, c.Dh), v = kv_rows(n, c.Hkv, c.Dh);
+      const auto kb = fp8_as_bf16(k, c.Dh), vb = fp8_as_bf16(v, c.Dh);
+      attention_causal(ref.data() + size_t(b) * c.H * c.Dh, q.data() + size_t(b) * c.H * c.Dh, kb.data(), vb.data(),
+                       DType::BF16, 1, c.pasts[b], c.H, c.Hkv, c.Dh);
+      const auto t = pool.table(n);
+      pool.put(t, 0, n, k.data(), v.data());
+      dtables.push_back(std::make_unique<Dev<int32_t>>(t));
+      table_ptrs.push_back(dtables.back()->p);
+      pos[b] = c.pasts[b];
+    }
+    DevFp8 dpool(pool);
+    Dev<const int32_t*> dtp(table_ptrs);
+    Dev<float> dq(q), dout(q.size()), part(size_t(B) * c.H * c.n_splits * (c.Dh + 2));
+    Dev<int32_t> dp(pos);
+    Dev<unsigned> cnt(size_t(B) * c.H);
+    CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
+    const cu::KvPages kv = dpool.pages(nullptr, dtp.p);
+    CK(cu::attention_decode_batch(dout.p, dq.p, kv, nullptr, nullptr, dp.p, B, c.H, c.Hkv, c.Dh, c.n_splits, part.p,
+                                  cnt.p, 0));
+    const std::string shape = fmt("B=%d G=%d Hkv=%d Dh=%d splits=%d", B, c.H / c.Hkv, c.Hkv, c.Dh, c.n_splits);
+    report("attention_decode_batch FP8 " + shape, rel(dout.get(), ref), 1e-5, dpool.equals(pool) ? "" : "POOL CHANGED");
+    if (cu::attention_prefill_supported(c.H, c.Hkv, c.Dh)) {
+      dout.poison();
+      CK(cu::attention_prefill(dout.p, dq.p, kv, dp.p, B, c.H, c.Hkv, c.Dh, true, 0, part.p, c.n_splits));
+      report("attention_prefill decode batch (tables) FP8 " + shape, rel(dout.get(), ref), 1e-5);
+    }
+    if (!dpool.equals(pool)) ++g_fail;
   }
 }
 
@@ -1736,7 +1977,7 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   std::vector<std::vector<uint16_t>> keep;
   round_weights_to_bf16(*w, keep);
   CpuBackendOptions co;
-  co.kv_dtype = KvDType::BF16;
+  co.kv_dtype = variant && variant->kv_dtype == KvDType::FP8 ? KvDType::FP8 : KvDType::BF16;  // the GPU cache's twin
   auto cpu = make_cpu_backend(*w, co);
   auto cc = cpu->new_cache(), gc = gpu->new_cache();
   std::vector<float> lc(size_t(T) * V), lg(size_t(T) * V);
@@ -1798,6 +2039,7 @@ int bench_main(int argc, char** argv) {
   std::string config, model;
   int ctx = 512, gen = 128, repeats = 3, batch = 1;
   SamplingParams sampling{0.f, 0, 1.f, 0};  // greedy unless --temperature
+  CudaBackendOptions opts;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--config") config = v;
@@ -1809,18 +2051,21 @@ int bench_main(int argc, char** argv) {
     else if (k == "--temperature") sampling.temperature = std::stof(v);
     else if (k == "--top-p") sampling.top_p = std::stof(v);
     else if (k == "--top-k") sampling.top_k = std::stoi(v);
-    else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
+    else { std::fprintf(stderr, "unknown option %s %s\n", k.c_str(), v.c_str()); return 2; }
   }
+  // TIERMOE_BENCH_KV=fp8-all: FP8 KV pages (--kv fp8-all); an environment switch, so that gpu_check.sh envs can A/B it.
+  const char* kv_env = std::getenv("TIERMOE_BENCH_KV");
+  if (kv_env && std::strcmp(kv_env, "fp8-all") == 0) opts.kv_dtype = KvDType::FP8;
   ModelConfig cfg;
   std::unique_ptr<ModelWeights> w;
   std::unique_ptr<Backend> b;
   if (!config.empty()) {
     cfg = parse_config(test::read_file(config), config);
-    b = make_cuda_backend_dummy(cfg);
+    b = make_cuda_backend_dummy(cfg, opts);
   } else {
     w = load_weights(model);
     cfg = w->cfg;
-    b = make_cuda_backend(*w);
+    b = make_cuda_backend(*w, opts);
   }
   const double bw = cuda_copy_bandwidth();
   // TIERMOE_BENCH_OVERLAP=0: --no-overlap (an env switch, so gpu_check.sh envs can A/B it).
@@ -1829,12 +2074,12 @@ int bench_main(int argc, char** argv) {
   nlohmann::json out = batch > 1 ? bench_batch(*b, cfg, batch, ctx, gen, sampling, overlap)
                                  : bench_stream(*b, cfg, ctx, gen, repeats, sampling, overlap);
   out["device"] = cuda_device_name();
-  out["kv"] = "bf16";
+  out["kv"] = opts.kv_dtype == KvDType::FP8 ? "fp8-all" : "bf16";
   out["load_format"] = config.empty() ? "auto" : "dummy";
   out["config"] = config.empty() ? std::filesystem::path(model).filename().string()
                                  : std::filesystem::path(config).filename().string();
   if (const char* e = std::getenv("TIERMOE_CUDA_GRAPHS")) out["env"] = std::string("TIERMOE_CUDA_GRAPHS=") + e;
-  if (batch == 1) add_floor(out, cfg, bw);
+  if (batch == 1) add_floor(out, cfg, bw, kv_bytes_per_value(opts.kv_dtype, cfg.head_dim));
   std::printf("%s\n", out.dump().c_str());
   return 0;
 }
@@ -2063,7 +2308,8 @@ int main(int argc, char** argv) {
         {"attention_prefill_decode", check_attention_prefill_decode},
         {"attention_prefill_decode_rows", check_attention_prefill_decode_rows}, {"attention_decode", check_attention_decode},
         {"attention_decode_batch", check_attention_decode_batch},
-        {"attention_decode_late", check_attention_decode_late}, {"attention_decode_per_head", check_attention_decode_per_head}, {"sample_tokens", check_sampling}};
+        {"attention_decode_late", check_attention_decode_late}, {"attention_decode_per_head", check_attention_decode_per_head},
+        {"kv_fp8_writes", check_kv_fp8_writes}, {"attention_fp8", check_attention_fp8}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
       if (want(name)) check();
   }
@@ -2079,6 +2325,13 @@ int main(int argc, char** argv) {
       // Past 64 keys, so that the splits below the newest row load their first tile before pdl_wait.
       const auto ids = test::ints(ref.get("long_ids"));
       check_model("tinymix-code [decode attention on the tensor cores, 700-token prompt]", tiny,
+                  std::vector<int32_t>(ids.begin(), ids.begin() + std::min<size_t>(700, ids.size())), 32, &tc);
+      // FP8 pages against the CPU's FP8 rows: the default decode kernels, and on the tensor cores at 700 tokens.
+      CudaBackendOptions fp8;
+      fp8.kv_dtype = KvDType::FP8;
+      check_model("tinymix-code [FP8 KV]", tiny, test::ints(ref.get("short_ids")), 32, &fp8);
+      tc.kv_dtype = KvDType::FP8;
+      check_model("tinymix-code [FP8 KV, decode attention on the tensor cores, 700-token prompt]", tiny,
                   std::vector<int32_t>(ids.begin(), ids.begin() + std::min<size_t>(700, ids.size())), 32, &tc);
       // Long context (split attention) against transformers' FP32 logits: in 512-token passes (each
       // pass's prompt attention over the keys before it), and in one (the default pass size).

@@ -1,0 +1,52 @@
+// FP8 rows of the paged KV cache on the device (kernels.h KvFp8; the format: kv/fp8_rows.h):
+// reading 8 values dequantized into the BF16 bits a BF16 page would hold there (exact), and writing
+// one (row, KV head) by one warp. Twins: fp8_dequantize_rows / fp8_quantize_rows.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "cuda/device_math.cuh"
+#include "kv/fp8_rows.h"
+
+namespace tiermoe::cuda {
+
+// 8 codes (one 8-byte word, first code lowest) times 2^e, as 8 BF16 values packed like a 16-byte
+// load of a BF16 row. Exact: E4M3 -> half -> float are exact, and so are * 2^e and the BF16 rounding.
+__device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 codes, int e) {
+  const float s = fp8_exp2(e);
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t word = j < 2 ? codes.x : codes.y;
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((word >> (16 * (j & 1))) & 0xffffu), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    w[j] = pack(__float2bfloat16_rn(f.x * s), __float2bfloat16_rn(f.y * s));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One code times 2^e as a float.
+__device__ __forceinline__ float fp8_to_float(uint8_t code, int e) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(code), __NV_E4M3))) * fp8_exp2(e);
+}
+
+// 8 values at value offset off (a multiple of 8) of an FP8 pool, as BF16 bits.
+__device__ __forceinline__ uint4 load_fp8x8(const uint8_t* codes, const int8_t* exps, size_t off, int Dh) {
+  return fp8x8_to_bf16x8(__ldg(reinterpret_cast<const uint2*>(codes + off)), __ldg(exps + off / Dh));
+}
+
+// One warp: x[Dh] -> codes[Dh] and *exp (fp8_quantize_rows of one row). All lanes.
+__device__ __forceinline__ void quantize_fp8_row(const float* x, int Dh, uint8_t* codes, int8_t* exp) {
+  const int lane = threadIdx.x & 31;
+  float amax = 0.f;
+  for (int i = lane; i < Dh; i += 32) amax = fmaxf(amax, fabsf(x[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const int e = fp8_row_exponent(amax);
+  const float inv = fp8_exp2(-e);
+  for (int i = lane; i < Dh; i += 32) codes[i] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
+  if (lane == 0) *exp = int8_t(e);
+}
+
+}  // namespace tiermoe::cuda
