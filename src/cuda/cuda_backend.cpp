@@ -853,10 +853,14 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     cuda::KvPages batch_kv = pool().layer(l);
     batch_kv.tables = tables_;
     // Who writes the new rows: qk_norm_rope for the tensor-core decode paths; with FP8 pages (which
-    // must be in the cache before attention reads them) also for a decode batch and for one piece;
-    // else each piece's attention_decode (BF16) or kv_append.
+    // must be in the cache before attention reads them) also for a decode batch and for one piece of
+    // at most kGemvMaxT tokens; else each piece's attention_decode (BF16) or kv_append. Not for a
+    // prompt chunk: attention_prefill loads a query tile's rows below its first position before its
+    // wait, and qk_norm_rope (a programmatic launch) may then still be writing them; kv_append is a
+    // plain launch, done before attention starts.
     const bool batch_append = batch_tc_ || (fp8 && batch_splits_ > 0);
-    const bool piece_append = tc || (fp8 && !batch_append && pieces.size() == 1);
+    const bool piece_append =
+        tc || (fp8 && !batch_append && pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT);
     const cuda::KvPages append = piece_append ? pieces[0].cache->kv(l) : (batch_append ? batch_kv : cuda::KvPages{});
     CUDA_CK(cuda::qk_norm_rope(q_, k_, L.q_norm, L.k_norm, cfg_.qk_norm == QkNorm::Full, pos_, T, H, Hkv, Dh, eps,
                                cfg_.rope_theta, stream_, append, v_));

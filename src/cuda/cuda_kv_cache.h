@@ -46,6 +46,7 @@ class KvPagePool {
     if (fp8) ok = ok && alloc(k_exp_, rows * Hkv) && alloc(v_exp_, rows * Hkv);
     if (!ok) {
       free_all();
+      cudaGetLastError();  // the failed allocation's error, not left for an unrelated call to find
       throw InputError("KV cache: cannot allocate " + std::to_string(page_bytes(layers, Hkv, int(row_ / Hkv), fp8) * pages >> 20) +
                        " MiB of GPU memory for " + std::to_string(pages) + " pages");
     }
@@ -92,7 +93,6 @@ class KvPagePool {
   static bool alloc(void*& p, size_t bytes) { return cudaMalloc(&p, bytes) == cudaSuccess; }
   void free_all() {
     for (void* p : {k_, v_, k_exp_, v_exp_}) cudaFree(p);
-    cudaGetLastError();  // a failed allocation's error
   }
   size_t row_;
   int hkv_, pages_;

@@ -220,10 +220,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   float m = -INFINITY, l = 0.f;
   for (int key = start + w; key < end; key += kAttnWarps) {
     const size_t off = kv_row(kv.table, key) * stride + size_t(kvh) * Dh;
-    const bf16 *kp = kv.k + off, *vp = kv.v + off;
     const int ke = FP8 ? kv.fp8.k_exp[off / Dh] : 0, ve = FP8 ? kv.fp8.v_exp[off / Dh] : 0;
-    auto k_at = [&](int d) { return FP8 ? fp8_to_float(kv.fp8.k[off + d], ke) : bf(kp[d]); };
-    auto v_at = [&](int d) { return FP8 ? fp8_to_float(kv.fp8.v[off + d], ve) : bf(vp[d]); };
+    auto k_at = [&](int d) { return FP8 ? fp8_to_float(kv.fp8.k[off + d], ke) : bf(kv.k[off + d]); };
+    auto v_at = [&](int d) { return FP8 ? fp8_to_float(kv.fp8.v[off + d], ve) : bf(kv.v[off + d]); };
     float sc = 0.f;
 #pragma unroll
     for (int j = 0; j < kAttnJ; ++j) {

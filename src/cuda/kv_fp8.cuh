@@ -31,9 +31,12 @@ __device__ __forceinline__ float fp8_to_float(uint8_t code, int e) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(code), __NV_E4M3))) * fp8_exp2(e);
 }
 
-// 8 values at value offset off (a multiple of 8) of an FP8 pool, as BF16 bits.
+// 8 values at value offset off (a multiple of 8) of an FP8 pool, as BF16 bits. From L2 (ld.global.cg),
+// never L1: a kernel's early loads (before its programmatic wait) can bring in the line of a row the
+// kernel before is still writing (an exponent line holds 128 / Hkv rows), and a read of that row
+// after the wait must not hit the stale copy.
 __device__ __forceinline__ uint4 load_fp8x8(const uint8_t* codes, const int8_t* exps, size_t off, int Dh) {
-  return fp8x8_to_bf16x8(__ldg(reinterpret_cast<const uint2*>(codes + off)), __ldg(exps + off / Dh));
+  return fp8x8_to_bf16x8(__ldcg(reinterpret_cast<const uint2*>(codes + off)), __ldcg(exps + off / Dh));
 }
 
 // One warp: x[Dh] -> codes[Dh] and *exp (fp8_quantize_rows of one row). All lanes.
