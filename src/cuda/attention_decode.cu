@@ -72,7 +72,7 @@ constexpr int kMaxTile = 128;     // keys per tile at most
 __host__ __device__ constexpr int tile_keys(int dh) { return kTileElems / dh < kMaxTile ? kTileElems / dh : kMaxTile; }
 constexpr int kThreads = kWarpsPerBlock * 32;
 
-template <int GM, int Dh>
+template <int GM, int Dh, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, KvFp8 fp8, const int32_t* table,
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 #pragma unroll kUnroll
     for (int i = from * L + threadIdx.x; i < to * L; i += kThreads) {  // unrolled: the page-table reads overlap
       const size_t off = kv_row(table, t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
-      if (fp8.k) {
+      if constexpr (FP8) {
         ktile[i] = load_fp8x8(fp8.k, fp8.k_exp, off, Dh);
         vtile[i] = load_fp8x8(fp8.v, fp8.v_exp, off, Dh);
       } else {
@@ -289,6 +289,38 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 // wait. At G > 1 every query head reads its KV head's rows itself (G times the K/V bytes).
 constexpr int kRound = 8;          // keys per lane group per round
 constexpr int kMergeFloats = 4352;  // the merge's stage: 33 splits of Dh = 128 in one chunk
+// A lane's 8 values of one key's K or V row, in registers: BF16 bits, or (FP8 pages) the codes and
+// the row's scale 2^e, which multiplies the lane's partial score and the key's p instead of every
+// value -- the same bits as the dequantized values' arithmetic (a power of two rounds nothing),
+// with fewer instructions and registers.
+template <bool FP8>
+struct KvLane {
+  uint4 w;
+  __device__ void zero() { w = make_uint4(0, 0, 0, 0); }
+  __device__ float dot(const float4& a, const float4& b) const { return dot8(w, a, b); }
+  __device__ float scale() const { return 1.f; }
+  __device__ void values(float* f) const { unpack8(w, f); }
+};
+template <>
+struct KvLane<true> {
+  uint2 c;
+  float s;
+  __device__ void load(const uint8_t* codes, const int8_t* exps, size_t off, int Dh) {
+    c = __ldcg(reinterpret_cast<const uint2*>(codes + off));  // L2 only: see load_fp8x8
+    s = fp8_exp2(__ldcg(exps + off / Dh));
+  }
+  __device__ void zero() { c = make_uint2(0, 0), s = 1.f; }
+  __device__ float dot(const float4& a, const float4& b) const {  // dot8's order
+    float f[8];
+    fp8x8_to_float(c, f);
+    float d = f[0] * a.x;
+    d = fmaf(f[1], a.y, d), d = fmaf(f[2], a.z, d), d = fmaf(f[3], a.w, d);
+    d = fmaf(f[4], b.x, d), d = fmaf(f[5], b.y, d), d = fmaf(f[6], b.z, d), d = fmaf(f[7], b.w, d);
+    return d * s;
+  }
+  __device__ float scale() const { return s; }
+  __device__ void values(float* f) const { fp8x8_to_float(c, f); }
+};
 template <int Dh, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
@@ -304,13 +336,13 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   const size_t row = size_t(Hkv) * Dh;
   // Round r's key u of this lane group: keys of a round are consecutive over (u, warp, group).
   auto key_of = [&](int r0, int u) { return r0 + (u * kWarpsPerBlock + warp) * slots + sub; };
-  uint4 kw[kRound], vw[kRound];
+  KvLane<FP8> kw[kRound], vw[kRound];
   auto load_row = [&](int j, int u) {  // key j's 8 values of this lane, from the cache
     const size_t off = kv_row(table, j) * row + size_t(kvh) * Dh + part * 8;
     if constexpr (FP8)
-      kw[u] = load_fp8x8(fp8.k, fp8.k_exp, off, Dh), vw[u] = load_fp8x8(fp8.v, fp8.v_exp, off, Dh);
+      kw[u].load(fp8.k, fp8.k_exp, off, Dh), vw[u].load(fp8.v, fp8.v_exp, off, Dh);
     else
-      kw[u] = ldg16(kc + off), vw[u] = ldg16(vc + off);
+      kw[u].w = ldg16(kc + off), vw[u].w = ldg16(vc + off);
   };
   auto load_cached = [&](int r0) {
 #pragma unroll
@@ -319,7 +351,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
       if (j < end && j < first_new) {
         load_row(j, u);
       } else {
-        kw[u] = vw[u] = make_uint4(0, 0, 0, 0);  // past the split: its p is 0, and 0 * V must not be NaN
+        kw[u].zero(), vw[u].zero();  // past the split: its p is 0, and 0 * V must not be NaN
       }
     }
   };
@@ -339,17 +371,19 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     for (int u = 0; u < kRound; ++u) {  // this pass's new keys: from k_new / v_new, rounded as the cache stores them
       const int j = key_of(r0, u);
       if (j < end && j >= first_new) {
-        if (!k_new) {  // in the cache already
+        if (FP8 || !k_new) {  // in the cache already
           load_row(j, u);
           continue;
         }
-        const size_t src = size_t(j - first_new) * row + size_t(kvh) * Dh + part * 8;
-        kw[u] = bf16x8(k_new + src), vw[u] = bf16x8(v_new + src);
+        if constexpr (!FP8) {
+          const size_t src = size_t(j - first_new) * row + size_t(kvh) * Dh + part * 8;
+          kw[u].w = bf16x8(k_new + src), vw[u].w = bf16x8(v_new + src);
+        }
       }
     }
     float sc[kRound];
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) sc[u] = dot8(kw[u], q_lo, q_hi);
+    for (int u = 0; u < kRound; ++u) sc[u] = kw[u].dot(q_lo, q_hi);
 #pragma unroll
     for (int o = L / 2; o > 0; o >>= 1)
 #pragma unroll
@@ -367,12 +401,12 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     for (int i = 0; i < 8; ++i) acc[i] *= c;
 #pragma unroll
     for (int u = 0; u < kRound; ++u) {
-      const float p = expf(sc[u] - mx);  // 0 for masked keys
+      const float p = expf(sc[u] - mx), pv = p * vw[u].scale();  // 0 for masked keys
       l += p;
       float vf[8];
-      unpack8(vw[u], vf);
+      vw[u].values(vf);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vf[i], acc[i]);
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(pv, vf[i], acc[i]);
     }
     m = mx;
   }
@@ -479,14 +513,18 @@ auto head_kernel_for(int Dh, bool fp8) {
   });
 }
 
-// The kernel for G query heads per block and head size Dh.
-template <int Dh>
+// The kernel for G query heads per block, head size Dh and the pages' format.
+template <int Dh, bool FP8>
 auto kernel_for(int G) {
-  return G == 1 ? attention_decode_kernel<1, Dh>
-                : (G == 2 ? attention_decode_kernel<2, Dh> : (G <= 4 ? attention_decode_kernel<4, Dh> : attention_decode_kernel<8, Dh>));
+  return G == 1   ? attention_decode_kernel<1, Dh, FP8>
+         : G == 2 ? attention_decode_kernel<2, Dh, FP8>
+         : G <= 4 ? attention_decode_kernel<4, Dh, FP8>
+                  : attention_decode_kernel<8, Dh, FP8>;
 }
-auto kernel_for(int G, int Dh) {
-  return with_head_size(Dh, [G](auto dh) { return kernel_for<decltype(dh)::value>(G); });
+auto kernel_for(int G, int Dh, bool fp8) {
+  return with_head_size(Dh, [G, fp8](auto dh) {
+    return fp8 ? kernel_for<decltype(dh)::value, true>(G) : kernel_for<decltype(dh)::value, false>(G);
+  });
 }
 
 // kv: one sequence (kv.table) or a batch (kv.tables); k_new and v_new both given, or both null.
@@ -502,7 +540,7 @@ cudaError_t launch_attention_decode(float* out, const float* q, const KvPages& k
   }
   const int HG = g_attention_early ? head_groups(H / Hkv, Hkv * n_splits * T) : 1, G = H / Hkv / HG;
   const dim3 grid(Hkv * HG, n_splits, T);
-  return launch(kernel_for(G, Dh), grid, kThreads, 0, s, out, partial, counters, q, kv.k, kv.v, kv.fp8, kv.table,
+  return launch(kernel_for(G, Dh, kv.is_fp8()), grid, kThreads, 0, s, out, partial, counters, q, kv.k, kv.v, kv.fp8, kv.table,
                 kv.tables, k_new, v_new, pos, H, Hkv, g_attention_early);
 }
 }  // namespace
@@ -539,7 +577,7 @@ int attention_decode_tile_keys(int Dh) { return Dh > 0 ? tile_keys(Dh) : 0; }
 int attention_decode_resident_blocks(int H, int Hkv, int Dh) {
   int per_sm = 0;
   if (!attention_decode_supported(H, Hkv, Dh) ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(H / Hkv, Dh), kThreads, 0) != cudaSuccess)
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(H / Hkv, Dh, false), kThreads, 0) != cudaSuccess)
     return 0;
   return per_sm * sm_count();
 }

@@ -129,7 +129,7 @@ __device__ __forceinline__ float online_softmax_step(float mx, float& m, float& 
 // A tile is one page (k0 a multiple of kKvPageRows): one table entry, then a thread's copies are a
 // fixed stride apart (its rows r0 + j RS, column c), an add per copy for a full tile.
 static_assert(kTileK == kKvPageRows, "a K/V tile is one page of the cache");
-template <int DH>
+template <int DH, bool FP8>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv, int Hkv,
                                              int kvh, int k0, int k_end, int stage) {
   constexpr int LD = smem_ld(DH), CH = DH / 8, RS = kThreads / CH;  // 16-byte chunks per row, rows per sweep
@@ -139,7 +139,7 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* v
   const size_t first = (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH + c;
   __nv_bfloat16* kd = ks + (stage * kTileK + r0) * LD + c;
   __nv_bfloat16* vd = vs + (stage * kTileK + r0) * LD + c;
-  if (kv.is_fp8()) {  // FP8 rows: loaded into registers and stored dequantized (not asynchronous)
+  if constexpr (FP8) {  // FP8 rows: loaded into registers and stored dequantized (not asynchronous)
 #pragma unroll
     for (int j = 0; j < kTileK / RS; ++j) {
       const int r = r0 + j * RS;
@@ -177,7 +177,7 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* v
 struct BlockKeys {
   int p_lo, k_end, first_tile, n_tiles;
 };
-template <int DH>
+template <int DH, bool FP8>
 __device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv,
                                                       const int32_t* __restrict__ pos, int Hkv, int kvh, int t0,
                                                       int nt) {
@@ -190,10 +190,10 @@ __device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bf
   b.first_tile = k_begin / kTileK;
   b.n_tiles = max(0, (b.k_end - k_begin + kTileK - 1) / kTileK);
   const bool early = b.n_tiles > 0 && (b.first_tile + 1) * kTileK <= b.p_lo;
-  if (early) load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
+  if (early) load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
   pdl_wait();
   pdl_launch_dependents();
-  if (b.n_tiles > 0 && !early) load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
+  if (b.n_tiles > 0 && !early) load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
   return b;
 }
 
@@ -238,7 +238,7 @@ __device__ __forceinline__ void load_q_pairs(const float* __restrict__ q, long l
 // here, so a captured launch stays valid while a sequence grows, and each query tile splits its own
 // keys -- and writes its rows' (max, sum, unnormalized output) to partial[T, H, n_splits, Dh + 2]
 // (attention_merge_splits's layout: the max in natural-log units) instead of out.
-template <int DH, bool SPLIT_P, bool KEY_WARPS>
+template <int DH, bool SPLIT_P, bool KEY_WARPS, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
     float* __restrict__ out, float* __restrict__ partial, const float* __restrict__ q, KvPages kv,
     const int32_t* __restrict__ pos, int T, int H, int Hkv, int G, float scale_log2) {
@@ -267,11 +267,11 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   };
   const int warp_row0 = KEY_WARPS ? 0 : warp * 16, kw0 = KEY_WARPS ? warp * KW : 0;  // the warp's rows, keys
   auto row_offset = [&](int i) { return row_off(warp_row0 + quad + 8 * i); };
-  const BlockKeys keys = start_block_keys<DH>(ks, vs, kv, pos, Hkv, kvh, t0, nt);
+  const BlockKeys keys = start_block_keys<DH, FP8>(ks, vs, kv, pos, Hkv, kvh, t0, nt);
   const int p_lo = keys.p_lo, k_end = keys.k_end, first_tile = keys.first_tile, n_tiles = keys.n_tiles;
   const int n_splits = gridDim.z;
   auto load_tile = [&](int tile, int stage) {
-    load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
+    load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
   };
 
   int rpos[2];  // the rows' query positions (-1: padding)
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
 // splits of attention_prefill, the warps merged at the end (merge_staged_warps). Column c = token
 // c / G, head kvh * G + c % G; lane l holds columns 2 (l % 4), +1 of S^T and O^T, keys (dims)
 // l / 4 and l / 4 + 8.
-template <int DH, bool SPLIT_P>
+template <int DH, bool SPLIT_P, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
     float* __restrict__ out, float* __restrict__ partial, const float* __restrict__ q, KvPages kv,
     const int32_t* __restrict__ pos, int T, int H, int Hkv, int G, float scale_log2) {
@@ -422,11 +422,11 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
   auto col_off = [&](int c) -> long long {
     return c < cols ? (long long)((size_t(c / G) * H + size_t(kvh) * G + c % G) * DH) : -1;
   };
-  const BlockKeys keys = start_block_keys<DH>(ks, vs, kv, pos, Hkv, kvh, 0, T);
+  const BlockKeys keys = start_block_keys<DH, FP8>(ks, vs, kv, pos, Hkv, kvh, 0, T);
   const int p_lo = keys.p_lo, k_end = keys.k_end, first_tile = keys.first_tile, n_tiles = keys.n_tiles;
   const int n_splits = gridDim.z;
   auto load_tile = [&](int tile, int stage) {
-    load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
+    load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
   };
 
   // Q^T as the B operand: column quad, dims 16 kk + 2 qi, +1 (b0) and + 8 (b1), as hi + lo.
@@ -528,10 +528,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
 // docs/benchmarks.md), though level under ncu.
 bool g_decode_keys_form = true;
 enum class Form { rows, key_warps, keys };
-template <int DH, bool SPLIT_P, Form F>
+template <int DH, bool SPLIT_P, Form F, bool FP8 = false>
 constexpr auto kernel_of() {
-  if constexpr (F == Form::keys) return attention_decode_keys_kernel<DH, SPLIT_P>;
-  else return attention_prefill_kernel<DH, SPLIT_P, F == Form::key_warps>;
+  if constexpr (F == Form::keys) return attention_decode_keys_kernel<DH, SPLIT_P, FP8>;
+  else return attention_prefill_kernel<DH, SPLIT_P, F == Form::key_warps, FP8>;
 }
 // The keys form's blocks ask for more shared memory than their tiles take, so that an SM holds at
 // most two of them (as the row form's registers allow): with three (135 registers, 68 KB each)
@@ -543,23 +543,23 @@ constexpr size_t launch_smem() {
 }
 
 // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
-template <int DH, bool SPLIT_P, Form F>
+template <int DH, bool SPLIT_P, Form F, bool FP8 = false>
 cudaError_t opt_in_smem() {
-  static const cudaError_t e =
-      cudaFuncSetAttribute(kernel_of<DH, SPLIT_P, F>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(launch_smem<DH, F>()));
+  static const cudaError_t e = cudaFuncSetAttribute(kernel_of<DH, SPLIT_P, F, FP8>(),
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(launch_smem<DH, F>()));
   return e;
 }
 
-template <int DH, bool SPLIT_P, Form F>
+template <int DH, bool SPLIT_P, Form F, bool FP8>
 cudaError_t launch_prefill_as(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
                               int Hkv, int n_splits, cudaStream_t s) {
   static_assert(size_t(kWarps) * 16 * (DH + 2) * sizeof(float) <= smem_bytes(DH), "merge_key_warps's buffer");
   if (F == Form::keys && kv.tables) return cudaErrorInvalidValue;  // one sequence's keys only
-  if (const cudaError_t e = opt_in_smem<DH, SPLIT_P, F>(); e != cudaSuccess) return e;
+  if (const cudaError_t e = opt_in_smem<DH, SPLIT_P, F, FP8>(); e != cudaSuccess) return e;
   const int G = H / Hkv, TQ = (F == Form::rows ? kRows : F == Form::key_warps ? 16 : 8) / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
   const int tiles = kv.tables ? T : (T + TQ - 1) / TQ;  // a decode batch: a block per token
-  const cudaError_t e = launch(kernel_of<DH, SPLIT_P, F>(), dim3(tiles, Hkv, n_splits), kThreads, launch_smem<DH, F>(), s,
+  const cudaError_t e = launch(kernel_of<DH, SPLIT_P, F, FP8>(), dim3(tiles, Hkv, n_splits), kThreads, launch_smem<DH, F>(), s,
                                out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
   if (e != cudaSuccess || n_splits == 1) return e;
   return attention_merge_splits(out, partial, T, H, DH, n_splits, s);
@@ -570,15 +570,23 @@ Form form_of(int rows, bool batch) {
   return rows <= 8 && !batch && g_decode_keys_form ? Form::keys : rows <= 16 ? Form::key_warps : Form::rows;
 }
 
-template <int DH, bool SPLIT_P>
+// The pages' format as a template argument (FP8: each tile dequantized as it is loaded): the BF16
+// kernels are compiled as they were, without the FP8 loader's code beside theirs.
+template <int DH, bool SPLIT_P, bool FP8>
 cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
                            int Hkv, int n_splits, Form form, cudaStream_t s) {
   switch (form) {
-    case Form::keys: return launch_prefill_as<DH, SPLIT_P, Form::keys>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+    case Form::keys: return launch_prefill_as<DH, SPLIT_P, Form::keys, FP8>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
     case Form::key_warps:
-      return launch_prefill_as<DH, SPLIT_P, Form::key_warps>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
-    default: return launch_prefill_as<DH, SPLIT_P, Form::rows>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+      return launch_prefill_as<DH, SPLIT_P, Form::key_warps, FP8>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
+    default: return launch_prefill_as<DH, SPLIT_P, Form::rows, FP8>(out, partial, q, kv, pos, T, H, Hkv, n_splits, s);
   }
+}
+template <int DH, bool SPLIT_P>
+cudaError_t launch_prefill(float* out, float* partial, const float* q, KvPages kv, const int32_t* pos, int T, int H,
+                           int Hkv, int n_splits, Form form, cudaStream_t s) {
+  return kv.is_fp8() ? launch_prefill<DH, SPLIT_P, true>(out, partial, q, kv, pos, T, H, Hkv, n_splits, form, s)
+                     : launch_prefill<DH, SPLIT_P, false>(out, partial, q, kv, pos, T, H, Hkv, n_splits, form, s);
 }
 
 // Blocks of the decode batches' form (key_warps) the GPU holds at once; 0 if not known.

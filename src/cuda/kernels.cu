@@ -53,7 +53,9 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
 // With `early`, what no kernel of the pass writes -- the position and page table (copied before
 // the pass's first kernel), the norm weights -- and what follows from them (the thread's first
 // pair's angle by powf / sincosf, its cache row) are taken before the wait for the q/k/v
-// projection, off the chain between it and attention; the same values, the same bits.
+// projection, off the chain between it and attention; the same values, the same bits. FP8: the
+// pages' format (a template argument, so that the BF16 kernel is compiled as it was).
+template <bool FP8>
 __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const float* kn, bool full,
                                     const int32_t* pos, int H, int Hkv, int Dh, float eps, float theta, KvPages kv,
                                     const float* vin, bool early) {
@@ -106,16 +108,16 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     const float a = nw ? r[j] * inv * wa : r[j], b = nw ? r[j + half] * inv * wb : r[j + half];
     r[j] = a * cs - b * sn;
     r[j + half] = b * cs + a * sn;
-    if (append && !kv.is_fp8()) {
+    if (append && !FP8) {
       const size_t at = cache_at + size_t(h) * Dh;
       reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j] = __float2bfloat16_rn(r[j]);
       reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j + half] = __float2bfloat16_rn(r[j + half]);
     }
   }
-  if (append && !kv.is_fp8())  // the segment's values, as they are
+  if (append && !FP8)  // the segment's values, as they are
     for (int i = threadIdx.x; i < len; i += blockDim.x)
       reinterpret_cast<__nv_bfloat16*>(kv.v)[cache_at + i] = __float2bfloat16_rn(vin[size_t(t) * Hkv * Dh + first + i]);
-  if (append && kv.is_fp8()) {
+  if (FP8 && append) {
     __syncthreads();  // the block's rotated keys, written above, read by every warp
     for (int h = threadIdx.x >> 5; h < heads; h += blockDim.x >> 5) {
       const size_t at = cache_at + size_t(h) * Dh;  // the head's row in the pool, in values
@@ -341,8 +343,8 @@ cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k
   // powf + sincosf, store), and fewer threads lengthen it -- 256 per block cost 4-5% per token at
   // OLMoE's shape (docs/benchmarks.md).
   const int threads = std::min(1024, std::max(32, (pairs + 31) / 32 * 32));
-  return launch(qk_norm_rope_kernel, dim3(segs, T), threads, 0, s, q, k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta,
-                append, v, g_rope_early);
+  return launch(append.is_fp8() ? qk_norm_rope_kernel<true> : qk_norm_rope_kernel<false>, dim3(segs, T), threads, 0, s, q,
+                k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta, append, v, g_rope_early);
 }
 
 cudaError_t add_bias(float* x, const float* b, int T, int N, cudaStream_t s) {

@@ -11,18 +11,26 @@
 
 namespace tiermoe::cuda {
 
-// 8 codes (one 8-byte word, first code lowest) times 2^e, as 8 BF16 values packed like a 16-byte
-// load of a BF16 row. Exact: E4M3 -> half -> float are exact, and so are * 2^e and the BF16 rounding.
-__device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 codes, int e) {
-  const float s = fp8_exp2(e);
-  uint32_t w[4];
+// 8 codes (one 8-byte word, first code lowest) as floats, unscaled. Exact (E4M3 -> half -> float).
+__device__ __forceinline__ void fp8x8_to_float(uint2 codes, float* f) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint32_t word = j < 2 ? codes.x : codes.y;
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((word >> (16 * (j & 1))) & 0xffffu), __NV_E4M3);
-    const float2 f = __half22float2(__half2(h));
-    w[j] = pack(__float2bfloat16_rn(f.x * s), __float2bfloat16_rn(f.y * s));
+    const float2 p = __half22float2(__half2(h));
+    f[2 * j] = p.x, f[2 * j + 1] = p.y;
   }
+}
+
+// 8 codes times 2^e, as 8 BF16 values packed like a 16-byte load of a BF16 row. Exact: * 2^e and
+// the BF16 rounding of a code times a power of two round nothing.
+__device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 codes, int e) {
+  const float s = fp8_exp2(e);
+  float f[8];
+  fp8x8_to_float(codes, f);
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w[j] = pack(__float2bfloat16_rn(f[2 * j] * s), __float2bfloat16_rn(f[2 * j + 1] * s));
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
