@@ -6,8 +6,8 @@
 //     and tinymix's long-context logits vs the transformers reference;
 //  3. a GEMV bandwidth figure and prompt-attention kernel times.
 // Prints one line per case and a summary; exit status 1 when any case fails.
-// Usage: tiermoe_cuda_check [--kernels-only [NAME] | --models-only]   (NAME: only the kernel checks
-//   whose name contains it, e.g. attention_prefill, and no timing; `timing`: the timing alone;
+// Usage: tiermoe_cuda_check [--kernels-only [NAME] | --models-only [NAME]]   (NAME: only the kernel checks,
+//   or model checks, whose name contains it, e.g. attention_prefill or FP8, and no timing; `timing`: the timing alone;
 //   TIERMOE_CHECK_SKIP=N[:M] runs only cases N .. M-1 of the longest groups, below)
 //        tiermoe_cuda_check bench (--config FILE | --model DIR) [--ctx C] [--gen N] [--repeats R] [--batch B]
 //   the same measurement and JSON as `tiermoe bench --backend cuda [--load-format dummy]`, for
@@ -1972,9 +1972,14 @@ void check_prefix_copy(const ModelConfig& c, Backend& gpu, const std::vector<int
   }
 }
 
+// --models-only NAME: only the model checks whose name contains NAME.
+const char* g_only_model = nullptr;
+bool want_model(const std::string& name) { return !g_only_model || name.find(g_only_model) != std::string::npos; }
+
 // With `variant` (its options named in `name`): prefill and greedy decode only.
 void check_model(const std::string& name, const std::string& dir, const std::vector<int32_t>& prompt, int steps,
                  const CudaBackendOptions* variant = nullptr) {
+  if (!want_model(name)) return;
   auto w = load_weights(dir);
   const int V = w->cfg.vocab_size, T = int(prompt.size());
   auto gpu = make_cuda_backend(*w, variant ? *variant : CudaBackendOptions{});
@@ -2301,6 +2306,7 @@ int main(int argc, char** argv) {
   const char* only = kernels_only && argc > 2 ? argv[2] : nullptr;
   auto want = [&](const char* name) { return !only || std::strstr(name, only) != nullptr; };
   const bool models_only = argc > 1 && std::strcmp(argv[1], "--models-only") == 0;
+  if (models_only && argc > 2) g_only_model = argv[2];
   std::printf("device: %s\n", cuda_device_name().c_str());
   if (!models_only) {
     std::printf("== kernels vs CPU twins ==\n");
@@ -2342,37 +2348,39 @@ int main(int argc, char** argv) {
       // pass's prompt attention over the keys before it), and in one (the default pass size).
       const auto positions = test::ints(ref.get("long_positions"));
       const auto expected = test::floats(ref.get("long_logits"));
-      auto w = load_weights(tiny);
-      const int V = w->cfg.vocab_size, T = int(ids.size());
-      std::vector<float> lg(size_t(T) * V);
-      for (const int pass : {512, 0}) {  // the default last: its logits are compared with the CPU below
-        CudaBackendOptions o;
-        if (pass) o.max_chunk = pass;
-        auto gpu = make_cuda_backend(*w, o);
-        auto gc = gpu->new_cache();
-        gpu->forward(ids, *gc, T, lg.data());
-        double worst = 0;
-        for (size_t i = 0; i < positions.size(); ++i)
-          worst = std::max(worst, test::rel_l2(&lg[size_t(positions[i]) * V], &expected[i * V], V));
-        report(fmt("tinymix-code long context T=%d in passes of %d vs transformers, %zu positions", T, o.max_chunk,
-                   positions.size()), worst, 2e-2);
-      }
-      {
-        std::vector<std::vector<uint16_t>> keep;
-        round_weights_to_bf16(*w, keep);
-        CpuBackendOptions co;
-        co.kv_dtype = KvDType::BF16;
-        auto cpu = make_cpu_backend(*w, co);
-        auto cc = cpu->new_cache();
-        std::vector<float> lc(size_t(T) * V);
-        cpu->forward(ids, *cc, T, lc.data());
-        double wc = 0, wcr = 0;
-        for (size_t i = 0; i < positions.size(); ++i) {
-          wc = std::max(wc, test::rel_l2(&lg[size_t(positions[i]) * V], &lc[size_t(positions[i]) * V], V));
-          wcr = std::max(wcr, test::rel_l2(&lc[size_t(positions[i]) * V], &expected[i * V], V));
+      if (want_model("tinymix-code long context")) {
+        auto w = load_weights(tiny);
+        const int V = w->cfg.vocab_size, T = int(ids.size());
+        std::vector<float> lg(size_t(T) * V);
+        for (const int pass : {512, 0}) {  // the default last: its logits are compared with the CPU below
+          CudaBackendOptions o;
+          if (pass) o.max_chunk = pass;
+          auto gpu = make_cuda_backend(*w, o);
+          auto gc = gpu->new_cache();
+          gpu->forward(ids, *gc, T, lg.data());
+          double worst = 0;
+          for (size_t i = 0; i < positions.size(); ++i)
+            worst = std::max(worst, test::rel_l2(&lg[size_t(positions[i]) * V], &expected[i * V], V));
+          report(fmt("tinymix-code long context T=%d in passes of %d vs transformers, %zu positions", T, o.max_chunk,
+                     positions.size()), worst, 2e-2);
         }
-        report(fmt("tinymix-code long context T=%d vs CPU (BF16 weights, BF16 KV)", T), wc, 2e-2,
-               fmt("(that CPU vs transformers: %.3e)", wcr));
+        {
+          std::vector<std::vector<uint16_t>> keep;
+          round_weights_to_bf16(*w, keep);
+          CpuBackendOptions co;
+          co.kv_dtype = KvDType::BF16;
+          auto cpu = make_cpu_backend(*w, co);
+          auto cc = cpu->new_cache();
+          std::vector<float> lc(size_t(T) * V);
+          cpu->forward(ids, *cc, T, lc.data());
+          double wc = 0, wcr = 0;
+          for (size_t i = 0; i < positions.size(); ++i) {
+            wc = std::max(wc, test::rel_l2(&lg[size_t(positions[i]) * V], &lc[size_t(positions[i]) * V], V));
+            wcr = std::max(wcr, test::rel_l2(&lc[size_t(positions[i]) * V], &expected[i * V], V));
+          }
+          report(fmt("tinymix-code long context T=%d vs CPU (BF16 weights, BF16 KV)", T), wc, 2e-2,
+                 fmt("(that CPU vs transformers: %.3e)", wcr));
+        }
       }
     } else {
       std::printf("FAIL   tinymix-code shards missing: run scripts/unpack_model.sh\n");
