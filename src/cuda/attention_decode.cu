@@ -291,8 +291,8 @@ constexpr int kRound = 8;          // keys per lane group per round
 constexpr int kMergeFloats = 4352;  // the merge's stage: 33 splits of Dh = 128 in one chunk
 // A lane's 8 values of one key's K or V row, in registers: BF16 bits, or (FP8 pages) the codes and
 // the row's scale 2^e, which multiplies the lane's partial score and the key's p instead of every
-// value -- the same bits as the dequantized values' arithmetic (a power of two rounds nothing),
-// with fewer instructions and registers.
+// value -- the same bits as the dequantized values' arithmetic while p 2^e and the sums stay normal
+// floats (a power of two rounds nothing), with fewer instructions and registers.
 template <bool FP8>
 struct KvLane {
   uint4 w;
@@ -564,10 +564,10 @@ cudaError_t attention_decode_batch(float* out, const float* q, KvPages kv, const
 void set_attention_early(bool on) { g_attention_early = on; }
 void set_attention_decode_per_head(int mode) { g_attention_per_head = mode == 1 || mode == 2 ? mode : 0; }
 
-int attention_decode_split_cap(int H, int Hkv, int Dh) {
+int attention_decode_split_cap(int H, int Hkv, int Dh, bool fp8) {
   int per_sm = 0;
   if (!attention_decode_supported(H, Hkv, Dh) || H != Hkv || !per_head_kernel(H, Hkv, nullptr, kHeadMaxSplits + 1) ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, head_kernel_for(Dh, false), kThreads, 0) != cudaSuccess)
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, head_kernel_for(Dh, fp8), kThreads, 0) != cudaSuccess)
     return 0;
   return std::max(1, per_sm * sm_count() / H);
 }

@@ -611,7 +611,7 @@ void CudaBackend::alloc_workspace() {
   for (cudaEvent_t& e : slot_done_) CUDA_CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
   decode_resident_blocks_ = cuda::attention_decode_resident_blocks(H, Hkv, Dh);
-  decode_split_cap_ = cuda::attention_decode_split_cap(H, Hkv, Dh);
+  decode_split_cap_ = cuda::attention_decode_split_cap(H, Hkv, Dh, opts_.kv_dtype == KvDType::FP8);
   if (cuda::attention_prefill_supported(H, Hkv, Dh))
     tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
   CUDA_CK(cudaMallocHost(&h_ids_, io(2) * 4));

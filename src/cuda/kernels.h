@@ -331,8 +331,8 @@ void set_attention_early(bool on);
 // G > 1 those of up to 16 key splits; 2 all.
 void set_attention_decode_per_head(int mode);
 // At G = 1 where the per-head kernel runs one sequence's launch: the most key splits whose blocks
-// (1 token) fit the GPU at once; else 0.
-int attention_decode_split_cap(int H, int Hkv, int Dh);
+// (1 token) fit the GPU at once (its FP8 form holds more blocks: fewer registers); else 0.
+int attention_decode_split_cap(int H, int Hkv, int Dh, bool fp8 = false);
 // How many blocks of attention_decode (all G heads of a KV head per block) the GPU holds at once (0
 // if unknown), and the keys of its tiles: what a decode batch's key splits are sized by.
 int attention_decode_resident_blocks(int H, int Hkv, int Dh);
