@@ -426,36 +426,38 @@ TEST(Fp8Rows, RoundTripWithinHalfAStepAndExactInBf16) {
   }
 }
 
-// The fp8-all cache attends as a BF16 cache of the rows its codes decode to, holds 1 + 1/Dh bytes a
-// value, and copies and truncates like the others.
+// The fp8-all cache attends as a BF16 cache of the rows its codes decode to, bit for bit (it reads the
+// codes without decoding them), holds 1 + 1/Dh bytes a value, and truncates like the others. Dh 20:
+// two 8-value blocks and a tail.
 TEST(Fp8Rows, CacheAttendsAsItsDecodedRows) {
-  const KvGeometry g{2, 2, 4, 32, 10000.f};
-  auto fp8 = make_kv_cache(g, kv_preset("fp8-all"));
-  auto bf16 = make_exact_kv_cache(g, KvDType::BF16);
-  const int T = 37;
-  const size_t n = size_t(T) * g.num_kv_heads;
-  const auto k = rnd(n * g.head_dim, 1), v = rnd(n * g.head_dim, 2), q = rnd(size_t(T) * g.num_heads * g.head_dim, 3);
-  std::vector<uint8_t> codes(n * g.head_dim);
-  std::vector<int8_t> exps(n);
-  std::vector<uint16_t> kb(codes.size()), vb(codes.size());
-  fp8_quantize_rows(k.data(), n, g.head_dim, codes.data(), exps.data());
-  fp8_dequantize_rows(codes.data(), exps.data(), n, g.head_dim, kb.data());
-  fp8_quantize_rows(v.data(), n, g.head_dim, codes.data(), exps.data());
-  fp8_dequantize_rows(codes.data(), exps.data(), n, g.head_dim, vb.data());
-  std::vector<float> kd(kb.size()), vd(vb.size());
-  for (size_t i = 0; i < kb.size(); ++i) kd[i] = bf16_to_f32(kb[i]), vd[i] = bf16_to_f32(vb[i]);
-  std::vector<float> got(q.size()), want(q.size());
-  for (int l = 0; l < g.num_layers; ++l) {
-    fp8->append(l, k.data(), v.data(), T);
-    bf16->append(l, kd.data(), vd.data(), T);  // exact in BF16
-    fp8->attend(l, q.data(), T, got.data());
-    bf16->attend(l, q.data(), T, want.data());
-    EXPECT_EQ(got, want);
+  for (const KvGeometry g : {KvGeometry{2, 2, 4, 32, 10000.f}, KvGeometry{1, 3, 6, 20, 10000.f}}) {
+    auto fp8 = make_kv_cache(g, kv_preset("fp8-all"));
+    auto bf16 = make_exact_kv_cache(g, KvDType::BF16);
+    const int T = 37;
+    const size_t n = size_t(T) * g.num_kv_heads;
+    const auto k = rnd(n * g.head_dim, 1), v = rnd(n * g.head_dim, 2), q = rnd(size_t(T) * g.num_heads * g.head_dim, 3);
+    std::vector<uint8_t> codes(n * g.head_dim);
+    std::vector<int8_t> exps(n);
+    std::vector<uint16_t> kb(codes.size()), vb(codes.size());
+    fp8_quantize_rows(k.data(), n, g.head_dim, codes.data(), exps.data());
+    fp8_dequantize_rows(codes.data(), exps.data(), n, g.head_dim, kb.data());
+    fp8_quantize_rows(v.data(), n, g.head_dim, codes.data(), exps.data());
+    fp8_dequantize_rows(codes.data(), exps.data(), n, g.head_dim, vb.data());
+    std::vector<float> kd(kb.size()), vd(vb.size());
+    for (size_t i = 0; i < kb.size(); ++i) kd[i] = bf16_to_f32(kb[i]), vd[i] = bf16_to_f32(vb[i]);
+    std::vector<float> got(q.size()), want(q.size());
+    for (int l = 0; l < g.num_layers; ++l) {
+      fp8->append(l, k.data(), v.data(), T);
+      bf16->append(l, kd.data(), vd.data(), T);  // exact in BF16
+      fp8->attend(l, q.data(), T, got.data());
+      bf16->attend(l, q.data(), T, want.data());
+      EXPECT_EQ(got, want);
+    }
+    EXPECT_EQ(fp8->bytes(), size_t(g.num_layers) * 2 * n * (g.head_dim + 1));
+    EXPECT_NEAR(fp8->stats().k_bits, 8 + 8.0 / g.head_dim, 1e-12);
+    fp8->truncate(20);
+    EXPECT_EQ(fp8->bytes(), size_t(g.num_layers) * 2 * 20 * g.num_kv_heads * (g.head_dim + 1));
   }
-  EXPECT_EQ(fp8->bytes(), size_t(g.num_layers) * 2 * n * (g.head_dim + 1));
-  EXPECT_NEAR(fp8->stats().k_bits, 8 + 8.0 / g.head_dim, 1e-12);
-  fp8->truncate(20);
-  EXPECT_EQ(fp8->bytes(), size_t(g.num_layers) * 2 * 20 * g.num_kv_heads * (g.head_dim + 1));
 }
 
 TEST(TieredKvCache, LookupTablesMatchDecodedAttention) {

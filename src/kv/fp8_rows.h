@@ -21,7 +21,7 @@
 
 namespace tiermoe {
 
-constexpr int kFp8MinExp = -120, kFp8MaxExp = 120;  // 2^e and 2^-e stay normal floats
+constexpr int kFp8MinExp = -120, kFp8MaxExp = 118;  // 2^e, 2^-e and 2^(e + 8) stay normal floats
 
 // The least e with amax <= 448 * 2^e (448 = 1.75 * 2^8, E4M3's largest value), clamped to
 // [kFp8MinExp, kFp8MaxExp]: zero and subnormal rows take the least, non-finite ones the largest.
