@@ -23,9 +23,7 @@ inline double bench_percentile(std::vector<double> v, double p) {
 }
 
 // Bytes a KV cache of `t` holds per value (FP8 rows: a code, and an exponent per row of head_dim).
-inline double kv_bytes_per_value(KvDType t, int head_dim) {
-  return t == KvDType::F32 ? 4.0 : t == KvDType::BF16 ? 2.0 : 1.0 + 1.0 / head_dim;
-}
+inline double kv_bytes_per_value(KvDType t, int head_dim) { return double(kv_row_bytes(t, head_dim)) / head_dim; }
 
 // Bytes one decode step must read at a context of n_ctx tokens: the active weights (attention,
 // router, the top-k experts, shared expert, dense MLPs, LM head, norms; one embedding row) in

@@ -37,7 +37,7 @@ class KvPagePool {
  public:
   // K and V of one page in every layer, in bytes.
   static size_t page_bytes(int layers, int Hkv, int Dh, bool fp8) {
-    return size_t(2) * layers * cuda::kKvPageRows * Hkv * (fp8 ? Dh + 1 : 2 * Dh);
+    return size_t(2) * layers * cuda::kKvPageRows * Hkv * kv_row_bytes(fp8 ? KvDType::FP8 : KvDType::BF16, Dh);
   }
   KvPagePool(int layers, int Hkv, int Dh, int pages, bool fp8)
       : row_(size_t(Hkv) * Dh), hkv_(Hkv), pages_(pages), fp8_(fp8) {

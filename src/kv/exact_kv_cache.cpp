@@ -88,8 +88,7 @@ class ExactKvCache final : public KvCache {
 
   Stats stats() const override {
     Stats s;
-    // FP8 rows: 8 bits a value and one 8-bit exponent per row of Dh.
-    const double bits = dtype_ == KvDType::F32 ? 32 : dtype_ == KvDType::BF16 ? 16 : 8 + 8.0 / g_.head_dim;
+    const double bits = 8.0 * double(kv_row_bytes(dtype_, g_.head_dim)) / g_.head_dim;
     s.tiers.push_back({"exact", long(length()), bits, bits});
     s.k_bits = s.v_bits = bits;
     s.token_bytes = s.held_bytes = double(bytes());

@@ -69,6 +69,11 @@ class KvCache {
 // FP8: E4M3 with a power-of-two scale per (token, KV head) row (kv/fp8_rows.h), every token.
 enum class KvDType : uint8_t { F32, BF16, FP8 };
 
+// Bytes one (token, KV head) row of head_dim values takes in `t` (FP8: its codes and its exponent).
+inline size_t kv_row_bytes(KvDType t, int head_dim) {
+  return t == KvDType::F32 ? 4 * size_t(head_dim) : t == KvDType::BF16 ? 2 * size_t(head_dim) : size_t(head_dim) + 1;
+}
+
 // One cache of every token in one format: keys and values stored as FP32 (bit-exact reference),
 // BF16 or FP8 rows (attended as the BF16 values they decode to exactly).
 std::unique_ptr<KvCache> make_exact_kv_cache(const KvGeometry& g, KvDType dtype);
