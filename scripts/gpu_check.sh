@@ -16,8 +16,8 @@
 #   "Numerics, as measured" reports)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
 # carried, when the machine lacks the tokenizer's libraries), else built here with CMake.
-# $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere (small enough to carry to a
-# device machine), unpacked to ./build-gpu first:
+# $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere, unpacked to ./build-gpu first (about
+# 6 MB: with the tracked tree at 62.9 MiB it no longer fits the device's 64 MiB transfer, 2026-12-05):
 #   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD \
 #     -DTIERMOE_CHECK_CUDA_ARCH=90-real -DTIERMOE_CHECK_LINEINFO=OFF   # SASS only, no line info: the transfer is capped
 #   cmake --build build-gpu && mkdir -p ab && strip -o /tmp/tcc build-gpu/tiermoe_cuda_check && xz -9e -c /tmp/tcc > ab/tcc.xz
