@@ -119,6 +119,58 @@ TEST(KvCodec, RoundTripErrorBounds) {
   for (int i = 0; i < Dh; ++i) EXPECT_NEAR(y[size_t(i)], held[size_t(i)], std::fabs(held[size_t(i)]) / 16 + fp8.fp8_scale * 0.02);
 }
 
+// The rope_pairs basis is PCA within each RoPE pair: orthonormal, each pair decorrelated with its
+// major axis first, and it commutes with RoPE (turning a key by its angles before or after the
+// basis gives the same vector), which is what lets a GPU score coded keys without a dense unrotation.
+TEST(KvCodec, RopePairsBasisIsPairwisePcaAndCommutesWithRope) {
+  const int N = 512, Dh = 64, half = Dh / 2;
+  const auto x = keys_like(N, Dh, 3);
+  CodecSpec spec;
+  spec.rotation = "rope_pairs";
+  spec.query_aware = false;
+  VqCodec c;
+  c.fit(spec, x.data(), N, Dh, {}, 7, 8);
+  ASSERT_EQ(c.rot.size(), size_t(Dh) * Dh);
+  for (int r = 0; r < Dh; ++r)
+    for (int s = 0; s < Dh; ++s) {
+      double dot = 0;
+      for (int i = 0; i < Dh; ++i) dot += double(c.rot[size_t(r) * Dh + i]) * c.rot[size_t(s) * Dh + i];
+      EXPECT_NEAR(dot, r == s ? 1.0 : 0.0, 1e-6) << r << " " << s;
+    }
+  // Rotated calibration rows: per pair, variance major >= minor and no covariance left.
+  std::vector<double> var(size_t(Dh), 0.0), cov(size_t(half), 0.0);
+  std::vector<float> y(static_cast<size_t>(Dh));
+  for (int n = 0; n < N; ++n) {
+    c.rotate(x.data() + size_t(n) * Dh, y.data());
+    for (int i = 0; i < Dh; ++i) var[size_t(i)] += double(y[size_t(i)]) * y[size_t(i)] / N;
+    for (int i = 0; i < half; ++i) cov[size_t(i)] += double(y[size_t(i)]) * y[size_t(i + half)] / N;
+  }
+  for (int i = 0; i < half; ++i) {
+    EXPECT_GE(var[size_t(i)], var[size_t(i + half)]) << "pair " << i;
+    EXPECT_LT(std::fabs(cov[size_t(i)]), 1e-4 * (var[size_t(i)] + var[size_t(i + half)])) << "pair " << i;
+  }
+  // U^T (R y) == R (U^T y) for a RoPE rotation R at a few positions.
+  std::vector<float> inv_freq(static_cast<size_t>(half)), cs(inv_freq.size()), sn(inv_freq.size());
+  rope_inv_freq(inv_freq.data(), Dh, 10000.f);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  for (int pos : {1, 17, 4095}) {
+    rope_angles(inv_freq.data(), half, pos, cs.data(), sn.data());
+    std::vector<float> v(static_cast<size_t>(Dh)), a(v.size()), b(v.size()), rv(v.size());
+    for (auto& e : v) e = nd(rng);
+    rv = v;
+    rope_rotate(rv.data(), cs.data(), sn.data(), half);
+    for (int i = 0; i < Dh; ++i) {  // a = U^T (R v), b = U^T v
+      for (int r = 0; r < Dh; ++r) {
+        a[size_t(i)] += c.rot[size_t(r) * Dh + i] * rv[size_t(r)];
+        b[size_t(i)] += c.rot[size_t(r) * Dh + i] * v[size_t(r)];
+      }
+    }
+    rope_rotate(b.data(), cs.data(), sn.data(), half);
+    for (int i = 0; i < Dh; ++i) EXPECT_NEAR(a[size_t(i)], b[size_t(i)], 1e-5) << "pos " << pos << " channel " << i;
+  }
+}
+
 // A page's rows brought back together (decode_page's path) equal them brought back one at a time,
 // with and without a mean, at head sizes the blocked loop takes (64, 128) and one it leaves to the
 // per-row loop (40), for row counts that do and do not fill its blocks of 4.

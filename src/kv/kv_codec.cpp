@@ -312,7 +312,7 @@ void VqCodec::fit(const CodecSpec& spec, const float* x, int N, int Dh, const st
     rot = basis->rot;
     mean = basis->mean;
     shared_basis = true;
-  } else if (spec.rotation == "pca" && spec.center) {
+  } else if ((spec.rotation == "pca" || spec.rotation == "rope_pairs") && spec.center) {
     for (int n = 0; n < N; ++n)
       for (int i = 0; i < Dh; ++i) m[size_t(i)] += x[size_t(n) * Dh + i];
     for (auto& v : m) v /= N;
@@ -333,6 +333,25 @@ void VqCodec::fit(const CodecSpec& spec, const float* x, int N, int Dh, const st
       for (int j = i; j < Dh; ++j) cov[size_t(j) * Dh + i] = cov[size_t(i) * Dh + j] /= N;
     std::vector<double> vals;
     jacobi_eigen(cov, Dh, rot, vals);
+  } else if (spec.rotation == "rope_pairs") {
+    // PCA within each RoPE pair (i, i + Dh/2), a 2x2 rotation per pair: it commutes with RoPE, so a
+    // key coded before RoPE is scored against the query turned by the key's angles, pair by pair,
+    // instead of unrotated through a dense Dh x Dh basis.
+    CHECK_MSG(Dh % 2 == 0, "rope_pairs rotation needs an even head dim");
+    const int half = Dh / 2;
+    rot.assign(size_t(Dh) * Dh, 0.f);
+    for (int i = 0; i < half; ++i) {
+      const int j = i + half;
+      double a = 0, b = 0, c = 0;
+      for (int n = 0; n < N; ++n) {
+        const double xi = x[size_t(n) * Dh + i] - m[size_t(i)], xj = x[size_t(n) * Dh + j] - m[size_t(j)];
+        a += xi * xi, b += xi * xj, c += xj * xj;
+      }
+      const double t = 0.5 * std::atan2(2 * b, a - c);  // the major axis' angle
+      const float cs = float(std::cos(t)), sn = float(std::sin(t));
+      rot[size_t(i) * Dh + i] = cs, rot[size_t(i) * Dh + j] = sn;    // major axis
+      rot[size_t(j) * Dh + i] = -sn, rot[size_t(j) * Dh + j] = cs;   // minor axis: det +1, a rotation
+    }
   } else if (spec.rotation == "hadamard") {
     CHECK_MSG((Dh & (Dh - 1)) == 0, "hadamard rotation needs a power-of-two head dim");
     std::mt19937_64 rng(seed);
@@ -472,7 +491,7 @@ double VqCodec::meta_bits() const {
   if (kind != "vq") return 0;
   // A PCA basis is d*d numbers; a Hadamard rotation only its d random signs (d bits).
   double n = shared_basis ? 0.0
-                          : (rotation == "pca" ? double(rot.size()) : rotation == "hadamard" ? d / 16.0 : 0.0) +
+                          : (rotation == "pca" ? double(rot.size()) : rotation == "rope_pairs" ? d / 2.0 : rotation == "hadamard" ? d / 16.0 : 0.0) +
                                 double(mean.size());
   n += double(anchor_scale.size());
   for (const auto& st : stages)

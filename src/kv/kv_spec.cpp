@@ -131,8 +131,8 @@ void apply_codec(CodecSpec& c, const nlohmann::json& j, const std::string& where
   }
   if (c.kind != "vq" && c.kind != "fp8" && c.kind != "kivi" && c.kind != "bf16")
     throw InputError(where + ".kind: '" + c.kind + "' is not one of vq, fp8, kivi, bf16");
-  if (c.rotation != "none" && c.rotation != "hadamard" && c.rotation != "pca")
-    throw InputError(where + ".rotation: '" + c.rotation + "' is not one of none, hadamard, pca");
+  if (c.rotation != "none" && c.rotation != "hadamard" && c.rotation != "pca" && c.rotation != "rope_pairs")
+    throw InputError(where + ".rotation: '" + c.rotation + "' is not one of none, hadamard, pca, rope_pairs");
   if (c.kind == "kivi" && (c.bits < 1 || c.bits > 8)) throw InputError(where + ".bits: must be in [1, 8]");
   if (c.kind == "kivi" && (c.group < 1 || c.group > 128)) throw InputError(where + ".group: must be in [1, 128]");
   if (c.anchor_frac < 0 || c.anchor_frac > 1) throw InputError(where + ".anchor_frac: must be in [0, 1]");

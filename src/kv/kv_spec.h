@@ -16,7 +16,7 @@ namespace tiermoe {
 //   kind "bf16": exact (BF16) everywhere;  "fp8": E4M3 with one scale per (layer, head);
 //   "kivi": asymmetric uniform, `bits`, groups of `group` (K: per channel over `group`
 //           tokens; V: per token over `group` channels), BF16 scale and zero per group;
-//   "vq":  rotation (none | hadamard | pca) -> `anchor_frac` of the highest-variance rotated
+//   "vq":  rotation (none | hadamard | pca | rope_pairs) -> `anchor_frac` of the highest-variance rotated
 //          channels in FP8 -> residual stages; stage s cuts the remaining channels into
 //          sub-vectors of `dim` and spends `stage_bits[s]` bits per value on average (bits
 //          allocated across sub-vectors by variance when `allocate`, else uniform).
