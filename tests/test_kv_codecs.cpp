@@ -160,12 +160,8 @@ TEST(KvCodec, RopePairsBasisIsPairwisePcaAndCommutesWithRope) {
     for (auto& e : v) e = nd(rng);
     rv = v;
     rope_rotate(rv.data(), cs.data(), sn.data(), half);
-    for (int i = 0; i < Dh; ++i) {  // a = U^T (R v), b = U^T v
-      for (int r = 0; r < Dh; ++r) {
-        a[size_t(i)] += c.rot[size_t(r) * Dh + i] * rv[size_t(r)];
-        b[size_t(i)] += c.rot[size_t(r) * Dh + i] * v[size_t(r)];
-      }
-    }
+    c.from_basis(rv.data(), 0.f, a.data());  // a = U^T (R v): weight 0 leaves the mean out
+    c.from_basis(v.data(), 0.f, b.data());   // b = U^T v
     rope_rotate(b.data(), cs.data(), sn.data(), half);
     for (int i = 0; i < Dh; ++i) EXPECT_NEAR(a[size_t(i)], b[size_t(i)], 1e-5) << "pos " << pos << " channel " << i;
   }

@@ -489,10 +489,13 @@ double VqCodec::token_bits(int n) const {
 double VqCodec::meta_bits() const {
   if (kind == "fp8") return 16;
   if (kind != "vq") return 0;
-  // A PCA basis is d*d numbers; a Hadamard rotation only its d random signs (d bits).
-  double n = shared_basis ? 0.0
-                          : (rotation == "pca" ? double(rot.size()) : rotation == "rope_pairs" ? d / 2.0 : rotation == "hadamard" ? d / 16.0 : 0.0) +
-                                double(mean.size());
+  // A PCA basis is d*d numbers, a RoPE-pair basis one angle per pair; a Hadamard rotation only its
+  // d random signs (d bits).
+  const double basis = rotation == "pca"          ? double(rot.size())
+                       : rotation == "rope_pairs" ? d / 2.0
+                       : rotation == "hadamard"   ? d / 16.0
+                                                  : 0.0;
+  double n = shared_basis ? 0.0 : basis + double(mean.size());
   n += double(anchor_scale.size());
   for (const auto& st : stages)
     for (const VqSlot& s : st)
