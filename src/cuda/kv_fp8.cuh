@@ -43,8 +43,13 @@ __device__ __forceinline__ float fp8_to_float(uint8_t code, int e) {
 // never L1: a kernel's early loads (before its programmatic wait) can bring in the line of a row the
 // kernel before is still writing (an exponent line holds 128 / Hkv rows), and a read of that row
 // after the wait must not hit the stale copy.
+// Its two parts, for a loader that converts later: the 8 codes, and the row's exponent.
+__device__ __forceinline__ uint2 load_fp8_codes8(const uint8_t* codes, size_t off) {
+  return __ldcg(reinterpret_cast<const uint2*>(codes + off));
+}
+__device__ __forceinline__ int load_fp8_exp(const int8_t* exps, size_t off, int Dh) { return __ldcg(exps + off / Dh); }
 __device__ __forceinline__ uint4 load_fp8x8(const uint8_t* codes, const int8_t* exps, size_t off, int Dh) {
-  return fp8x8_to_bf16x8(__ldcg(reinterpret_cast<const uint2*>(codes + off)), __ldcg(exps + off / Dh));
+  return fp8x8_to_bf16x8(load_fp8_codes8(codes, off), load_fp8_exp(exps, off, Dh));
 }
 
 // One warp: x[Dh] -> codes[Dh] and *exp (fp8_quantize_rows of one row). All lanes.

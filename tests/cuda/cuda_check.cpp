@@ -1398,7 +1398,7 @@ void check_kv_fp8_writes() {
 // kernel's error grows with them: its Q in BF16 hi + lo is 2^-17 relative).
 void check_attention_fp8() {
   struct C { int T, past, H, Hkv, Dh; };
-  auto one = [&](C c, auto run, int spread = 2) {  // queries scaled down as the rows grow: scores alike
+  auto one = [&](C c, auto run, int spread = 2, double tol = 1e-5) {  // queries scaled down as the rows grow: scores alike
     const int n = c.past + c.T;
     auto q = randn(size_t(c.T) * c.H * c.Dh, std::ldexp(0.125f, 2 - spread)), k = kv_rows(n, c.Hkv, c.Dh, spread),
          v = kv_rows(n, c.Hkv, c.Dh, spread);
@@ -1415,7 +1415,7 @@ void check_attention_fp8() {
     Dev<int32_t> dp(pos), dt(table);
     const std::string name = run(dout, dq.p, dpool.pages(dt.p), dp.p);
     report(name + fmt(" FP8 T=%d past=%d G=%d Hkv=%d Dh=%d", c.T, c.past, c.H / c.Hkv, c.Hkv, c.Dh), rel(dout.get(), ref),
-           1e-5, dpool.equals(pool) ? "" : "POOL CHANGED");
+           tol, dpool.equals(pool) ? "" : "POOL CHANGED");
     if (!dpool.equals(pool)) ++g_fail;
   };
   for (C c : {C{1, 0, 4, 2, 16}, C{7, 33, 4, 2, 96}, C{40, 300, 8, 8, 64}, C{1, 4095, 16, 16, 128}, C{2, 5, 2, 1, 256}})
@@ -1434,7 +1434,7 @@ void check_attention_fp8() {
           Dev<float> part(size_t(c.T) * c.H * splits * (c.Dh + 2));
           CK(cu::attention_prefill(out.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, split_p, 0, part.p, splits));
           return fmt("attention_prefill, P %s, %d key splits,", split_p ? "hi+lo" : "bf16", splits);
-        });
+        }, 2, split_p ? 1e-5 : 5e-3);  // one BF16 rounding of P, as for BF16 pages: measured <= 1.6e-3
       }
   for (int mode : {1, 0, 2}) {  // the per-head kernel where the default takes it, never, always
     cu::set_attention_decode_per_head(mode);
