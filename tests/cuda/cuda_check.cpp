@@ -1436,8 +1436,10 @@ void check_attention_fp8() {
           return fmt("attention_prefill, P %s, %d key splits,", split_p ? "hi+lo" : "bf16", splits);
         }, 2, split_p ? 1e-5 : 5e-3);  // one BF16 rounding of P, as for BF16 pages: measured <= 1.6e-3
       }
-  for (int mode : {1, 0, 2}) {  // the per-head kernel where the default takes it, never, always
+  // The per-head kernel where the default takes it, never, always; always with 16 keys per round.
+  for (const auto& [mode, round] : {std::pair{1, 8}, {0, 8}, {2, 8}, {2, 16}}) {
     cu::set_attention_decode_per_head(mode);
+    cu::set_attention_fp8_round(round);
     // The last case with rows over 2^-8 .. 2^8 (exponents over a wider range; queries scaled down).
     for (C c : {C{1, 4095, 16, 16, 128}, C{1, 1000, 32, 4, 128}, C{3, 17, 12, 2, 32}, C{1, 5, 2, 1, 256},
                 C{8, 300, 8, 8, 64}, C{1, 63, 8, 2, 128}, C{2, 9000, 8, 1, 64}, C{1, 700, 4, 4, 16}, C{1, 3000, 16, 16, 128}})
@@ -1447,10 +1449,11 @@ void check_attention_fp8() {
         Dev<unsigned> cnt(size_t(c.T) * c.H);
         CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
         CK(cu::attention_decode(out.p, q, kv, nullptr, nullptr, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p, cnt.p, 0));
-        return fmt("attention_decode (per-head mode %d, %d splits)", mode, n_splits);
+        return fmt("attention_decode (per-head mode %d, %d keys a round, %d splits)", mode, round, n_splits);
       }, c.past == 3000 ? 8 : 2);
   }
   cu::set_attention_decode_per_head(1);
+  cu::set_attention_fp8_round(8);
   {  // new rows given beside FP8 pages: refused (they must be quantized into the pool first)
     cu::KvPages kv;
     kv.table = reinterpret_cast<const int32_t*>(16);
