@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 // at a time (their scores independent shuffle chains, one rescale per round), and the warps' and
 // groups' states are merged once at the end. The first round's cached rows are loaded before the
 // wait. At G > 1 every query head reads its KV head's rows itself (G times the K/V bytes).
-constexpr int kRound = 8;          // keys per lane group per round (FP8 pages: g_fp8_round)
+constexpr int kRound = 8;          // keys per lane group per round
 constexpr int kMergeFloats = 4352;  // the merge's stage: 33 splits of Dh = 128 in one chunk
 // A lane's 8 values of one key's K or V row, in registers: BF16 bits, or (FP8 pages) the codes and
 // the row's scale 2^e, which multiplies the lane's partial score and the key's p instead of every
@@ -321,12 +321,12 @@ struct KvLane<true> {
   __device__ float scale() const { return s; }
   __device__ void values(float* f) const { fp8x8_to_float(c, f); }
 };
-template <int Dh, bool FP8, int ROUND>
+template <int Dh, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, KvFp8 fp8, const int32_t* table, const float* __restrict__ k_new,
     const float* __restrict__ v_new, const int32_t* __restrict__ pos, int Hkv) {
-  constexpr int L = Dh / 8, slots = 32 / L, per_round = kWarpsPerBlock * slots * ROUND;
+  constexpr int L = Dh / 8, slots = 32 / L, per_round = kWarpsPerBlock * slots * kRound;
   const int h = blockIdx.x, H = gridDim.x, G = H / Hkv, kvh = h / G;
   const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   const size_t row = size_t(Hkv) * Dh;
   // Round r's key u of this lane group: keys of a round are consecutive over (u, warp, group).
   auto key_of = [&](int r0, int u) { return r0 + (u * kWarpsPerBlock + warp) * slots + sub; };
-  KvLane<FP8> kw[ROUND], vw[ROUND];
+  KvLane<FP8> kw[kRound], vw[kRound];
   auto load_row = [&](int j, int u) {  // key j's 8 values of this lane, from the cache
     const size_t off = kv_row(table, j) * row + size_t(kvh) * Dh + part * 8;
     if constexpr (FP8)
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   };
   auto load_cached = [&](int r0) {
 #pragma unroll
-    for (int u = 0; u < ROUND; ++u) {
+    for (int u = 0; u < kRound; ++u) {
       const int j = key_of(r0, u);
       if (j < end && j < first_new) {
         load_row(j, u);
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   for (int r0 = start; r0 < end; r0 += per_round) {
     if (r0 != start) load_cached(r0);
 #pragma unroll
-    for (int u = 0; u < ROUND; ++u) {  // this pass's new keys: from k_new / v_new, rounded as the cache stores them
+    for (int u = 0; u < kRound; ++u) {  // this pass's new keys: from k_new / v_new, rounded as the cache stores them
       const int j = key_of(r0, u);
       if (j < end && j >= first_new) {
         if (FP8 || !k_new) {  // in the cache already
@@ -381,16 +381,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
         }
       }
     }
-    float sc[ROUND];
+    float sc[kRound];
 #pragma unroll
-    for (int u = 0; u < ROUND; ++u) sc[u] = kw[u].dot(q_lo, q_hi);
+    for (int u = 0; u < kRound; ++u) sc[u] = kw[u].dot(q_lo, q_hi);
 #pragma unroll
     for (int o = L / 2; o > 0; o >>= 1)
 #pragma unroll
-      for (int u = 0; u < ROUND; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+      for (int u = 0; u < kRound; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
     float mx = m;
 #pragma unroll
-    for (int u = 0; u < ROUND; ++u) {
+    for (int u = 0; u < kRound; ++u) {
       if (key_of(r0, u) >= end) sc[u] = -INFINITY;
       mx = fmaxf(mx, sc[u]);
     }
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] *= c;
 #pragma unroll
-    for (int u = 0; u < ROUND; ++u) {
+    for (int u = 0; u < kRound; ++u) {
       const float p = expf(sc[u] - mx), pv = p * vw[u].scale();  // 0 for masked keys
       l += p;
       float vf[8];
@@ -507,14 +507,9 @@ auto with_head_size(int Dh, F f) {
          : Dh == 128 ? f(std::integral_constant<int, 128>{})
                      : f(std::integral_constant<int, 256>{});
 }
-// FP8 pages' keys per lane group per round: 8 as BF16 pages (the default), or 16, the same bytes in
-// flight per round as BF16 pages' 8 (TIERMOE_CUDA_FP8_ROUND, A/B timing).
-int g_fp8_round = kRound;
 auto head_kernel_for(int Dh, bool fp8) {
   return with_head_size(Dh, [fp8](auto dh) {
-    constexpr int D = decltype(dh)::value;
-    return !fp8 ? attention_decode_head_kernel<D, false, kRound>
-           : g_fp8_round == 16 ? attention_decode_head_kernel<D, true, 16> : attention_decode_head_kernel<D, true, kRound>;
+    return fp8 ? attention_decode_head_kernel<decltype(dh)::value, true> : attention_decode_head_kernel<decltype(dh)::value, false>;
   });
 }
 
@@ -567,7 +562,6 @@ cudaError_t attention_decode_batch(float* out, const float* q, KvPages kv, const
 }
 
 void set_attention_early(bool on) { g_attention_early = on; }
-void set_attention_fp8_round(int keys) { g_fp8_round = keys == 16 ? 16 : kRound; }
 void set_attention_decode_per_head(int mode) { g_attention_per_head = mode == 1 || mode == 2 ? mode : 0; }
 
 int attention_decode_split_cap(int H, int Hkv, int Dh, bool fp8) {

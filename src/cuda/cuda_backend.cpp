@@ -108,7 +108,6 @@ class CudaBackend final : public Backend {
     const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
     cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_ATTN_HEAD")) cuda::set_attention_decode_per_head(std::atoi(e));
-    if (const char* e = std::getenv("TIERMOE_CUDA_FP8_ROUND")) cuda::set_attention_fp8_round(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_TC_KEYS")) cuda::set_attention_decode_keys_form(e[0] != '0');
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_TC")) cuda::set_gemv_tc(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_MOE_TC")) cuda::set_moe_down_tc(std::clamp(std::atoi(e), 0, 2));

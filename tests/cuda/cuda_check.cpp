@@ -1426,7 +1426,8 @@ void check_attention_fp8() {
       return std::string("attention (split)");
     });
   for (C c : {C{65, 300, 16, 4, 128}, C{200, 1, 12, 4, 64}, C{512, 700, 16, 16, 128}, C{1, 4095, 32, 4, 128},
-              C{2, 300, 16, 2, 64}, C{3, 63, 20, 4, 128}, C{16, 100, 4, 4, 64}, C{1, 2000, 32, 4, 64}})
+              C{2, 300, 16, 2, 64}, C{3, 63, 20, 4, 128}, C{16, 100, 4, 4, 64}, C{1, 2000, 32, 4, 64},
+              C{700, 0, 4, 2, 128}, C{1, 700, 4, 2, 128}})  // the last two: tinymix-code's heads
     for (int splits : {1, 3})
       for (bool split_p : {true, false}) {
         if (!split_p && splits > 1) continue;
@@ -1436,10 +1437,8 @@ void check_attention_fp8() {
           return fmt("attention_prefill, P %s, %d key splits,", split_p ? "hi+lo" : "bf16", splits);
         }, 2, split_p ? 1e-5 : 5e-3);  // one BF16 rounding of P, as for BF16 pages: measured <= 1.6e-3
       }
-  // The per-head kernel where the default takes it, never, always; always with 16 keys per round.
-  for (const auto& [mode, round] : {std::pair{1, 8}, {0, 8}, {2, 8}, {2, 16}}) {
+  for (int mode : {1, 0, 2}) {  // the per-head kernel where the default takes it, never, always
     cu::set_attention_decode_per_head(mode);
-    cu::set_attention_fp8_round(round);
     // The last case with rows over 2^-8 .. 2^8 (exponents over a wider range; queries scaled down).
     for (C c : {C{1, 4095, 16, 16, 128}, C{1, 1000, 32, 4, 128}, C{3, 17, 12, 2, 32}, C{1, 5, 2, 1, 256},
                 C{8, 300, 8, 8, 64}, C{1, 63, 8, 2, 128}, C{2, 9000, 8, 1, 64}, C{1, 700, 4, 4, 16}, C{1, 3000, 16, 16, 128}})
@@ -1449,11 +1448,10 @@ void check_attention_fp8() {
         Dev<unsigned> cnt(size_t(c.T) * c.H);
         CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
         CK(cu::attention_decode(out.p, q, kv, nullptr, nullptr, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p, cnt.p, 0));
-        return fmt("attention_decode (per-head mode %d, %d keys a round, %d splits)", mode, round, n_splits);
+        return fmt("attention_decode (per-head mode %d, %d splits)", mode, n_splits);
       }, c.past == 3000 ? 8 : 2);
   }
   cu::set_attention_decode_per_head(1);
-  cu::set_attention_fp8_round(8);
   {  // new rows given beside FP8 pages: refused (they must be quantized into the pool first)
     cu::KvPages kv;
     kv.table = reinterpret_cast<const int32_t*>(16);
@@ -2000,9 +1998,15 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   cpu->forward(prompt, *cc, T, lc.data());
   gpu->forward(prompt, *gc, T, lg.data());
   double worst = 0;
-  for (int t = 0; t < T; ++t) worst = std::max(worst, test::rel_l2(&lg[size_t(t) * V], &lc[size_t(t) * V], V));
+  int worst_at = 0, over = 0;  // the worst position, and how many are past the tolerance
+  for (int t = 0; t < T; ++t) {
+    const double e = test::rel_l2(&lg[size_t(t) * V], &lc[size_t(t) * V], V);
+    if (e > worst) worst = e, worst_at = t;
+    over += e > 2e-2;
+  }
   const std::string dt(dtype_name(w->cfg.dtype));
-  report(fmt("%s (%s) prefill T=%d logits, worst position", name.c_str(), dt.c_str(), T), worst, 2e-2);
+  report(fmt("%s (%s) prefill T=%d logits, worst position", name.c_str(), dt.c_str(), T), worst, 2e-2,
+         fmt("at %d; %d positions past the tolerance", worst_at, over));
 
   // Greedy: each backend continues its own sequence; logits compared while they agree.
   std::vector<float> a(lc.end() - V, lc.end()), b(lg.end() - V, lg.end());
