@@ -1398,7 +1398,9 @@ void check_kv_fp8_writes() {
 // kernel's error grows with them: its Q in BF16 hi + lo is 2^-17 relative).
 void check_attention_fp8() {
   struct C { int T, past, H, Hkv, Dh; };
-  auto one = [&](C c, auto run, int spread = 2, double tol = 1e-5) {  // queries scaled down as the rows grow: scores alike
+  // Tolerance 2e-5, not the BF16 cases' 1e-5: measured up to 1.2e-5 (H100, 2026-12-05: the per-head
+  // kernel over 3000 rows of 2^-8 .. 2^8, the keys form at G = 8, Dh 64 over 2000), FP32 sums of as many terms.
+  auto one = [&](C c, auto run, int spread = 2, double tol = 2e-5) {  // queries scaled down as the rows grow: scores alike
     const int n = c.past + c.T;
     auto q = randn(size_t(c.T) * c.H * c.Dh, std::ldexp(0.125f, 2 - spread)), k = kv_rows(n, c.Hkv, c.Dh, spread),
          v = kv_rows(n, c.Hkv, c.Dh, spread);
@@ -1435,7 +1437,7 @@ void check_attention_fp8() {
           Dev<float> part(size_t(c.T) * c.H * splits * (c.Dh + 2));
           CK(cu::attention_prefill(out.p, q, kv, pos, c.T, c.H, c.Hkv, c.Dh, split_p, 0, part.p, splits));
           return fmt("attention_prefill, P %s, %d key splits,", split_p ? "hi+lo" : "bf16", splits);
-        }, 2, split_p ? 1e-5 : 5e-3);  // one BF16 rounding of P, as for BF16 pages: measured <= 1.6e-3
+        }, 2, split_p ? 2e-5 : 5e-3);  // one BF16 rounding of P, as for BF16 pages: measured <= 1.6e-3
       }
   for (int mode : {1, 0, 2}) {  // the per-head kernel where the default takes it, never, always
     cu::set_attention_decode_per_head(mode);
@@ -1997,22 +1999,71 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   std::vector<float> lc(size_t(T) * V), lg(size_t(T) * V);
   cpu->forward(prompt, *cc, T, lc.data());
   gpu->forward(prompt, *gc, T, lg.data());
-  double worst = 0;
-  int worst_at = 0, over = 0;  // the worst position, and how many are past the tolerance
+  // FP8 pages round each K/V value to 3 mantissa bits, so an FP32-level difference upstream (the GPU's
+  // sums in another order) can move a value a whole step, and a few positions' logits far: the CPU
+  // against itself with every attention norm weight scaled by 1 -+ 1e-6 moves tinymix-code's
+  // 700-token logits by up to 0.12 (position 588; BF16 pages: 0.087 at 527). There the GPU may
+  // differ from the CPU as much as the CPU from itself so nudged, twice over, in the worst position
+  // and in how many pass 2e-2 (or 1 in 50); elsewhere 2e-2 at every position.
+  const bool fp8 = co.kv_dtype == KvDType::FP8;
+  struct Nudged {
+    std::unique_ptr<ModelWeights> w;
+    std::vector<std::vector<uint16_t>> keep;
+    std::unique_ptr<Backend> cpu;
+    std::unique_ptr<KvCache> cache;
+  };
+  std::vector<Nudged> nudged;
+  std::vector<std::vector<float>> ln;
+  for (const float by : {1e-6f, -1e-6f}) {
+    if (!fp8) break;
+    Nudged n;
+    n.w = load_weights(dir);
+    round_weights_to_bf16(*n.w, n.keep);
+    for (auto& L : n.w->layers)
+      for (float& x : L.attn_norm) x *= 1.f + by;
+    n.cpu = make_cpu_backend(*n.w, co);
+    n.cache = n.cpu->new_cache();
+    ln.emplace_back(size_t(T) * V);
+    n.cpu->forward(prompt, *n.cache, T, ln.back().data());
+    nudged.push_back(std::move(n));
+  }
+  struct Errors {  // over positions or steps: the worst, where, how many past 2e-2
+    double worst = 0;
+    int at = 0, over = 0;
+    void add(double e, int i) {
+      if (e > worst) worst = e, at = i;
+      over += e > 2e-2;
+    }
+  };
+  // Within what the nudged CPU runs show, twice over (FP8: the worst, and the count past 2e-2, as a
+  // second case), else 2e-2 everywhere.
+  auto report_errors = [&](const std::string& what, const Errors& got, const std::vector<Errors>& own, int n) {
+    double tol = 2e-2;
+    int allowed = n / 50;
+    for (const Errors& e : own) tol = std::max(tol, 2 * e.worst), allowed = std::max(allowed, 2 * e.over);
+    report(what, got.worst, tol, fmt("at %d; %d of %d past 2e-2", got.at, got.over, n));
+    if (fp8)
+      report(what + ": how many past 2e-2", got.over, allowed,
+             fmt("(the nudged CPU's: worst %.3e / %.3e, %d / %d past 2e-2)", own[0].worst, own[1].worst, own[0].over,
+                 own[1].over));
+  };
+  Errors prefill;
+  std::vector<Errors> prefill_own(nudged.size());
   for (int t = 0; t < T; ++t) {
-    const double e = test::rel_l2(&lg[size_t(t) * V], &lc[size_t(t) * V], V);
-    if (e > worst) worst = e, worst_at = t;
-    over += e > 2e-2;
+    prefill.add(test::rel_l2(&lg[size_t(t) * V], &lc[size_t(t) * V], V), t);
+    for (size_t i = 0; i < nudged.size(); ++i) prefill_own[i].add(test::rel_l2(&ln[i][size_t(t) * V], &lc[size_t(t) * V], V), t);
   }
   const std::string dt(dtype_name(w->cfg.dtype));
-  report(fmt("%s (%s) prefill T=%d logits, worst position", name.c_str(), dt.c_str(), T), worst, 2e-2,
-         fmt("at %d; %d positions past the tolerance", worst_at, over));
+  report_errors(fmt("%s (%s) prefill T=%d logits, worst position", name.c_str(), dt.c_str(), T), prefill, prefill_own, T);
 
-  // Greedy: each backend continues its own sequence; logits compared while they agree.
+  // Greedy: each backend continues its own sequence (the nudged CPUs the CPU's tokens); logits
+  // compared while they agree.
   std::vector<float> a(lc.end() - V, lc.end()), b(lg.end() - V, lg.end());
   int agree = 0;
-  double worst_step = 0, margin_at_split = -1;
+  double margin_at_split = -1;
   bool split = false;
+  Errors decode;
+  std::vector<Errors> decode_own(nudged.size());
   for (int s = 0; s < steps; ++s) {
     const int32_t ta = argmax(a), tb = argmax(b);
     if (ta != tb) {
@@ -2025,11 +2076,17 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
     ++agree;
     cpu->forward(std::span(&ta, 1), *cc, 1, a.data());
     gpu->forward(std::span(&tb, 1), *gc, 1, b.data());
-    worst_step = std::max(worst_step, test::rel_l2(b.data(), a.data(), V));
+    decode.add(test::rel_l2(b.data(), a.data(), V), s);
+    for (size_t i = 0; i < nudged.size(); ++i) {
+      nudged[i].cpu->forward(std::span(&ta, 1), *nudged[i].cache, 1, ln[i].data());
+      decode_own[i].add(test::rel_l2(ln[i].data(), a.data(), V), s);
+    }
   }
-  report(fmt("%s decode %d greedy steps (CUDA graph), worst step logits", name.c_str(), steps), worst_step, 2e-2,
-         split ? fmt("tokens agree %d/%d (CPU top-2 margin %.4f at the split)", agree, steps, margin_at_split)
-               : fmt("tokens agree %d/%d", agree, steps));
+  report_errors(fmt("%s decode %d greedy steps (CUDA graph), worst step logits", name.c_str(), steps), decode,
+                decode_own, steps);
+  std::printf("       %s\n", split ? fmt("tokens agree %d/%d (CPU top-2 margin %.4f at the split)", agree, steps,
+                                            margin_at_split).c_str()
+                                    : fmt("tokens agree %d/%d", agree, steps).c_str());
   if (split) ++g_fail;
   check_model_batch(name, *w, *cpu, *gpu, prompt, 3);  // a variant's batches too (the tensor-core decode's)
   check_model_batch(name, *w, *cpu, *gpu, prompt, 12);
