@@ -211,9 +211,9 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* v
 // grows, and each query tile splits its own keys); the block takes split blockIdx.z, keys
 // [first_tile * kTileK, k_end) (maybe none). Its first tile goes into stage 0 -- before the wait for
 // the previous kernel where it lies wholly below first_new, the first position whose row this
-// launch's kernels before may still be writing (a decode step's new row, or a prompt chunk's first:
-// kv_append writes the chunk's rows just before; a tile below a query tile's first position but in
-// the chunk gave wrong prompt logits on FP8 pages, 2026-12-05) -- then the wait. All threads.
+// pass writes (a decode step's new row, or a prompt chunk's first: kv_append writes the chunk's
+// rows just before, and only the wait promises that its writes are seen) -- then the wait. All
+// threads.
 struct BlockKeys {
   int p_lo, k_end, first_tile, n_tiles;
 };
