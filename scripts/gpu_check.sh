@@ -212,13 +212,11 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
 fi
 if [ "$MODE" = fp8 ]; then  # FP8 KV pages: their kernel checks, the FP8 model variants, then batch-1
   # benchmarks with BF16 and FP8 pages interleaved (FP8_ROWS: "config ctx gen repeats" rows separated by ';';
-  # FP8_ROUNDS rounds; FP8_MORE: more variants, "label VAR=value ..." separated by ';', e.g.
-  # "fp8r16 TIERMOE_BENCH_KV=fp8-all TIERMOE_CUDA_FP8_ROUND=16")
+  # FP8_ROUNDS rounds)
   log kernels; timeout 150 $C --kernels-only fp8 > "$OUT/check.txt" 2>&1; grep -E "^(FAIL|==)" "$OUT/check.txt"
   log models; timeout ${MODELS_S:-200} $C --models-only FP8 > "$OUT/models.txt" 2>&1; grep -E "^(ok|FAIL|note|==)" "$OUT/models.txt"
-  fp8_more=(); [ -n "${FP8_MORE:-}" ] && IFS=';' read -ra fp8_more <<< "$FP8_MORE"
   bench_variants fp8 "${FP8_ROWS:-olmoe-1b-7b-v8192.json 4096 64 2;qwen3-30b-a3b-L16-v8192.json 4096 64 2;olmoe-1b-7b.json 4000 64 2}" \
-    "${FP8_ROUNDS:-2}" bf16 "fp8 TIERMOE_BENCH_KV=fp8-all" "${fp8_more[@]}"
+    "${FP8_ROUNDS:-2}" bf16 "fp8 TIERMOE_BENCH_KV=fp8-all"
   exit 0
 fi
 if [ "$MODE" = envs ]; then  # batch-1 benchmarks of this build under environment variants, interleaved
