@@ -124,42 +124,52 @@ __device__ __forceinline__ float online_softmax_step(float mx, float& m, float& 
   return base;
 }
 
-// FP8 rows of one K/V tile as a thread fetches them (codes and exponents in registers; its rows r0 +
-// j RS, its 8 columns c), stored dequantized later: the keys form fetches tile it + 1 before tile
-// it's products and stores it after them, so the loads stay in flight during the products as BF16
-// pages' cp.async do (a fetch stored at once stalls the block on every tile: the Qwen3 16-layer
-// shape at 4096 keys took 1.44 ms per token on FP8 pages against 1.05 on BF16, H100, 2026-12-05).
+// A thread's share of one K/V tile (a page: kTileK == kKvPageRows): its rows r0 + j RS (j < J) and
+// 8 columns from c, a fixed stride apart, an add per copy.
+static_assert(kTileK == kKvPageRows, "a K/V tile is one page of the cache");
 template <int DH>
-struct Fp8Tile {
+struct TileShare {
   static constexpr int CH = DH / 8, RS = kThreads / CH, J = kTileK / RS;  // 16-byte chunks per row, rows per sweep
   static_assert(kThreads % CH == 0 && kTileK % RS == 0, "a thread's chunks sit in one column");
+  int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
+  // The element offset of this thread's chunk in row k0 (a page's first) of KV head kvh.
+  __device__ size_t first(const KvPages& kv, int Hkv, int kvh, int k0) const {
+    return (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH + c;
+  }
+};
+
+// FP8 rows of one K/V tile as a thread fetches them (codes and exponents in registers), stored
+// dequantized later: the keys form fetches tile it + 1 before tile it's products and stores it after
+// them, so the loads stay in flight during the products as BF16 pages' cp.async do (a fetch stored
+// at once stalls the block on every tile: the Qwen3 16-layer shape at 4096 keys took 1.44 ms per
+// token on FP8 pages against 1.05 on BF16, H100, 2026-12-05).
+template <int DH>
+struct Fp8Tile {
+  static constexpr int J = TileShare<DH>::J;
   uint2 k[J], v[J];
   int ke[J], ve[J];
   int rows;  // of the tile, those below k_end (the rest stored as zeros)
 };
 template <int DH>
 __device__ __forceinline__ void fetch_fp8_tile(Fp8Tile<DH>& f, const KvPages& kv, int Hkv, int kvh, int k0, int k_end) {
-  using F = Fp8Tile<DH>;
-  const int r0 = threadIdx.x / F::CH, c = (threadIdx.x % F::CH) * 8;
+  const TileShare<DH> ts;
   f.rows = min(kTileK, k_end - k0);
-  const size_t stride = size_t(Hkv) * DH;
-  const size_t first = (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH + c;
+  const size_t stride = size_t(Hkv) * DH, first = ts.first(kv, Hkv, kvh, k0);
 #pragma unroll
-  for (int j = 0; j < F::J; ++j) {  // rows past k_end read the last valid one (a valid address), stored as zeros
-    const size_t off = first + size_t(min(r0 + j * F::RS, f.rows - 1)) * stride;
+  for (int j = 0; j < ts.J; ++j) {  // rows past k_end read the last valid one (a valid address), stored as zeros
+    const size_t off = first + size_t(min(ts.r0 + j * ts.RS, f.rows - 1)) * stride;
     f.k[j] = load_fp8_codes8(kv.fp8.k, off), f.ke[j] = load_fp8_exp(kv.fp8.k_exp, off, DH);
     f.v[j] = load_fp8_codes8(kv.fp8.v, off), f.ve[j] = load_fp8_exp(kv.fp8.v_exp, off, DH);
   }
 }
 template <int DH>
 __device__ __forceinline__ void store_fp8_tile(const Fp8Tile<DH>& f, __nv_bfloat16* ks, __nv_bfloat16* vs, int stage) {
-  using F = Fp8Tile<DH>;
   constexpr int LD = smem_ld(DH);
-  const int r0 = threadIdx.x / F::CH, c = (threadIdx.x % F::CH) * 8;
+  const TileShare<DH> ts;
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
-  for (int j = 0; j < F::J; ++j) {
-    const int r = r0 + j * F::RS, at = (stage * kTileK + r) * LD + c;
+  for (int j = 0; j < ts.J; ++j) {
+    const int r = ts.r0 + j * ts.RS, at = (stage * kTileK + r) * LD + ts.c;
     *reinterpret_cast<uint4*>(ks + at) = r < f.rows ? fp8x8_to_bf16x8(f.k[j], f.ke[j]) : zero;
     *reinterpret_cast<uint4*>(vs + at) = r < f.rows ? fp8x8_to_bf16x8(f.v[j], f.ve[j]) : zero;
   }
@@ -168,9 +178,6 @@ __device__ __forceinline__ void store_fp8_tile(const Fp8Tile<DH>& f, __nv_bfloat
 // Keys [k0, k0 + kTileK) of KV head kvh, those below k_end, into stage `stage` of ks / vs (rows of
 // smem_ld(DH)), by 16-byte cp.async (zeros past k_end), one commit group; FP8 rows fetched and
 // stored dequantized at once. All threads of the block.
-// A tile is one page (k0 a multiple of kKvPageRows): one table entry, then a thread's copies are a
-// fixed stride apart (its rows r0 + j RS, column c), an add per copy for a full tile.
-static_assert(kTileK == kKvPageRows, "a K/V tile is one page of the cache");
 template <int DH, bool FP8>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv, int Hkv,
                                              int kvh, int k0, int k_end, int stage) {
@@ -180,27 +187,26 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* v
     store_fp8_tile<DH>(f, ks, vs, stage);
     return;
   }
-  constexpr int LD = smem_ld(DH), CH = DH / 8, RS = kThreads / CH;  // 16-byte chunks per row, rows per sweep
-  static_assert(kThreads % CH == 0 && kTileK % RS == 0, "a thread's chunks sit in one column");
-  const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8, rows = min(kTileK, k_end - k0);
-  const size_t stride = size_t(Hkv) * DH;
-  const size_t first = (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH + c;
-  __nv_bfloat16* kd = ks + (stage * kTileK + r0) * LD + c;
-  __nv_bfloat16* vd = vs + (stage * kTileK + r0) * LD + c;
+  constexpr int LD = smem_ld(DH);
+  const TileShare<DH> ts;
+  const int rows = min(kTileK, k_end - k0);
+  const size_t stride = size_t(Hkv) * DH, first = ts.first(kv, Hkv, kvh, k0);
+  __nv_bfloat16* kd = ks + (stage * kTileK + ts.r0) * LD + ts.c;
+  __nv_bfloat16* vd = vs + (stage * kTileK + ts.r0) * LD + ts.c;
   if (rows == kTileK) {
 #pragma unroll
-    for (int j = 0; j < kTileK / RS; ++j) {
-      const size_t off = first + size_t(r0 + j * RS) * stride;
-      cp_async16(kd + j * RS * LD, kv.k + off, true);
-      cp_async16(vd + j * RS * LD, kv.v + off, true);
+    for (int j = 0; j < ts.J; ++j) {
+      const size_t off = first + size_t(ts.r0 + j * ts.RS) * stride;
+      cp_async16(kd + j * ts.RS * LD, kv.k + off, true);
+      cp_async16(vd + j * ts.RS * LD, kv.v + off, true);
     }
   } else {  // a tile past k_end (the block's last): those rows zero-filled, from a valid address
 #pragma unroll
-    for (int j = 0; j < kTileK / RS; ++j) {
-      const int r = r0 + j * RS;
+    for (int j = 0; j < ts.J; ++j) {
+      const int r = ts.r0 + j * ts.RS;
       const size_t off = first + size_t(min(r, rows - 1)) * stride;
-      cp_async16(kd + j * RS * LD, kv.k + off, r < rows);
-      cp_async16(vd + j * RS * LD, kv.v + off, r < rows);
+      cp_async16(kd + j * ts.RS * LD, kv.k + off, r < rows);
+      cp_async16(vd + j * ts.RS * LD, kv.v + off, r < rows);
     }
   }
   cp_async_commit();
