@@ -2004,7 +2004,11 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
   // against itself with every attention norm weight scaled by 1 -+ 1e-6 moves tinymix-code's
   // 700-token logits by up to 0.12 (position 588; BF16 pages: 0.087 at 527). There the GPU may
   // differ from the CPU as much as the CPU from itself so nudged, twice over, in the worst position
-  // and in how many pass 2e-2 (or 1 in 50); elsewhere 2e-2 at every position.
+  // and in how many pass 2e-2 (or 1 in 50); elsewhere 2e-2 at every position. The decode steps are
+  // judged with the prompt's positions, as one population: a flip is as likely at either, and 32
+  // steps are too few to see a rate of about 1 in 100 (measured on an H100, 2026-12-05: the 700-token
+  // variant's step 20 off by 0.139, the same with either decode attention kernel and with PDL off,
+  // so the pages' contents, not their read; the nudged CPU's prompt 2 / 4 of 700 past 2e-2).
   const bool fp8 = co.kv_dtype == KvDType::FP8;
   struct Nudged {
     std::unique_ptr<ModelWeights> w;
@@ -2027,21 +2031,25 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
     n.cpu->forward(prompt, *n.cache, T, ln.back().data());
     nudged.push_back(std::move(n));
   }
-  struct Errors {  // over positions or steps: the worst, where, how many past 2e-2
+  struct Errors {  // over positions or steps: the worst, where, how many past 2e-2, of how many
     double worst = 0;
-    int at = 0, over = 0;
+    int at = 0, over = 0, n = 0;
     void add(double e, int i) {
       if (e > worst) worst = e, at = i;
       over += e > 2e-2;
+      ++n;
+    }
+    Errors after(const Errors& b) const {  // b's then these: one sequence, where counted on from b's first
+      return {std::max(worst, b.worst), worst > b.worst ? b.n + at : b.at, over + b.over, n + b.n};
     }
   };
   // Within what the nudged CPU runs show, twice over (FP8: the worst, and the count past 2e-2, as a
   // second case), else 2e-2 everywhere.
-  auto report_errors = [&](const std::string& what, const Errors& got, const std::vector<Errors>& own, int n) {
+  auto report_errors = [&](const std::string& what, const Errors& got, const std::vector<Errors>& own) {
     double tol = 2e-2;
-    int allowed = n / 50;
+    int allowed = got.n / 50;
     for (const Errors& e : own) tol = std::max(tol, 2 * e.worst), allowed = std::max(allowed, 2 * e.over);
-    report(what, got.worst, tol, fmt("at %d; %d of %d past 2e-2", got.at, got.over, n));
+    report(what, got.worst, tol, fmt("at %d; %d of %d past 2e-2", got.at, got.over, got.n));
     if (fp8)
       report(what + ": how many past 2e-2", got.over, allowed,
              fmt("(the nudged CPU's: worst %.3e / %.3e, %d / %d past 2e-2)", own[0].worst, own[1].worst, own[0].over,
@@ -2054,7 +2062,7 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
     for (size_t i = 0; i < nudged.size(); ++i) prefill_own[i].add(test::rel_l2(&ln[i][size_t(t) * V], &lc[size_t(t) * V], V), t);
   }
   const std::string dt(dtype_name(w->cfg.dtype));
-  report_errors(fmt("%s (%s) prefill T=%d logits, worst position", name.c_str(), dt.c_str(), T), prefill, prefill_own, T);
+  report_errors(fmt("%s (%s) prefill T=%d logits, worst position", name.c_str(), dt.c_str(), T), prefill, prefill_own);
 
   // Greedy: each backend continues its own sequence (the nudged CPUs the CPU's tokens); logits
   // compared while they agree.
@@ -2082,8 +2090,15 @@ void check_model(const std::string& name, const std::string& dir, const std::vec
       decode_own[i].add(test::rel_l2(ln[i].data(), a.data(), V), s);
     }
   }
-  report_errors(fmt("%s decode %d greedy steps (CUDA graph), worst step logits", name.c_str(), steps), decode,
-                decode_own, steps);
+  if (fp8) {  // after the prompt's positions: "at" counts the prompt's, then the steps (step s at T + s)
+    for (size_t i = 0; i < nudged.size(); ++i) decode_own[i] = decode_own[i].after(prefill_own[i]);
+    report_errors(fmt("%s decode %d greedy steps (CUDA graph) after the prompt's %d positions, worst logits",
+                      name.c_str(), steps, T),
+                  decode.after(prefill), decode_own);
+  } else {
+    report_errors(fmt("%s decode %d greedy steps (CUDA graph), worst step logits", name.c_str(), steps), decode,
+                  decode_own);
+  }
   std::printf("       %s\n", split ? fmt("tokens agree %d/%d (CPU top-2 margin %.4f at the split)", agree, steps,
                                             margin_at_split).c_str()
                                     : fmt("tokens agree %d/%d", agree, steps).c_str());
