@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|timeline|detail|batch|moe|ab|envs|fp8|sanitize]   (quick: no large
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|timeline|detail|batch|moe|ab|envs|fp8|trees|sanitize]   (quick: no large
 #   published configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
 #   initcheck; profile: per-kernel times of one decode step under ncu; timeline: the captured steps' kernels
 #   under nsys, what each adds to a step once overlapped (scripts/graph_timeline.py); detail: ncu's throughput,
@@ -11,7 +11,8 @@
 #   OLD_BIN (a tiermoe_cuda_check built from an earlier commit, run with its defaults) and of this
 #   build (defaults, PDL off, BF16 prompt activations; new-nostage: no GEMV stage), interleaved in
 #   one run, then the kernel table; envs: this build's batch-1 benchmarks under ENV_VARIANTS; fp8: the FP8 KV
-#   pages' checks, the models, then BF16 against FP8 pages (batch 1, interleaved); sanitize: compute-sanitizer on case ranges of the longest
+#   pages' checks, the models, then BF16 against FP8 pages (batch 1, interleaved); trees: this build against
+#   the source overlays in trees/ (scripts/export_tree.sh; carry trees), each built here, timed interleaved; sanitize: compute-sanitizer on case ranges of the longest
 #   groups as parallel processes, spread over the machine's GPUs, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
 #   "Numerics, as measured" reports)
 # Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
@@ -38,6 +39,19 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --f
 log unpack; scripts/unpack_model.sh
 if [ -n "${CHECK_XZ:-}" ]; then mkdir -p build-gpu && xz -dc "$CHECK_XZ" > build-gpu/tiermoe_cuda_check && chmod +x build-gpu/tiermoe_cuda_check; fi
 C=${CHECK_BIN:-./build-gpu/tiermoe_cuda_check}
+tree_variants=()
+if [ "$MODE" = trees ]; then  # each overlay in trees/ (scripts/export_tree.sh) is this tree with its files:
+  # built beside this one's build, in /tmp/tiermoe-tree-LABEL
+  for d in trees/*/; do
+    label=$(basename "$d") t=/tmp/tiermoe-tree-$(basename "$d")
+    rm -rf "$t" && mkdir -p "$t" && cp -r src tests "$t"/ && cp -r "$d". "$t"/ || exit 1
+    while IFS= read -r f; do [ -n "$f" ] && rm -f "$t/$f"; done < "$d.deleted"
+    ( cmake -S "$t/tests/cuda" -B "$t/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$t/build.log" 2>&1 &&
+      cmake --build "$t/build" -j8 --target tiermoe_cuda_check >> "$t/build.log" 2>&1 || { echo "trees: $label did not build"; tail -20 "$t/build.log"; } ) &
+    tree_variants+=("$label BIN=$t/build/tiermoe_cuda_check")
+  done
+  [ ${#tree_variants[@]} -gt 0 ] || { echo "trees: no overlay in trees/ (scripts/export_tree.sh REF LABEL; carry trees)"; exit 2; }
+fi
 if [ ! -x $C ]; then
   log build
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
@@ -81,7 +95,7 @@ for line in open(sys.argv[1]):
 PY
   log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
-elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail|fp8)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
+elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail|fp8|trees)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
   log check
   timeout 150 $C 2>&1 | tee "$OUT/check.txt"
 fi
@@ -217,6 +231,22 @@ if [ "$MODE" = fp8 ]; then  # FP8 KV pages: their kernel checks, the FP8 model v
   log models; timeout ${MODELS_S:-200} $C --models-only FP8 > "$OUT/models.txt" 2>&1; grep -E "^(ok|FAIL|note|==)" "$OUT/models.txt"
   bench_variants fp8 "${FP8_ROWS:-olmoe-1b-7b-v8192.json 4096 64 2;qwen3-30b-a3b-L16-v8192.json 4096 64 2;olmoe-1b-7b.json 4000 64 2}" \
     "${FP8_ROUNDS:-2}" bf16 "fp8 TIERMOE_BENCH_KV=fp8-all"
+  exit 0
+fi
+if [ "$MODE" = trees ]; then  # this build against the overlays' builds: TREE_CHECKS kernel groups in each
+  # (';'-separated, default none), then ENV_ROWS timed under "this" and each label, ENV_ROUNDS rounds
+  wait  # the overlays' builds
+  IFS=';' read -ra tree_checks <<< "${TREE_CHECKS:-}"
+  for v in "this BIN=$C" "${tree_variants[@]}"; do
+    label=${v%% *} bin=${v#*BIN=}
+    [ -x "$bin" ] || { echo "trees: $label has no binary"; exit 1; }
+    for g in "${tree_checks[@]}"; do
+      timeout 120 "$bin" --kernels-only "$g" > "$OUT/check_${label}_$g.txt" 2>&1
+      echo "$label $g: $(grep -E '^==.*cases' "$OUT/check_${label}_$g.txt" | tail -1)"; grep -m3 '^FAIL' "$OUT/check_${label}_$g.txt"
+    done
+  done
+  bench_variants trees "${ENV_ROWS:-olmoe-1b-7b-v8192.json 16 128 3;qwen3-30b-a3b-L16-v8192.json 16 128 3}" "${ENV_ROUNDS:-2}" \
+    this "${tree_variants[@]}"
   exit 0
 fi
 if [ "$MODE" = envs ]; then  # batch-1 benchmarks of this build under environment variants, interleaved
