@@ -111,11 +111,10 @@ struct alignas(16) GemvStage {  // x is read and written as float4
 };
 
 // All threads of the block, no barrier: st.x = x (* nw), and with NORM st.red[warp][t] = each warp's
-// share of sum(x_t^2) (stage_x, below, finishes the norm). Past two sweeps of the block the loads
-// of four go out together: one sweep at a time, each sweep's loads waited for the one before, an L2
-// round trip apiece right after the kernel's wait (the Qwen3 shapes' o projection, K = 4096: four).
-// Measured on an H100 (2026-12-05, docs/benchmarks.md): -1.4% to -2.0% per token on the Qwen3
-// shapes; at two sweeps (K = 2048) the same batching cost the OLMoE shape 2%, so it stays one by one.
+// share of sum(x_t^2) (stage_x, below, finishes the norm). Past two sweeps of the block, four sweeps'
+// loads go out together: one at a time costs an L2 round trip per sweep right after the kernel's
+// wait (four at the Qwen3 o projection's K = 4096; -1.4% to -2.0% per token there, H100, 2026-12-05,
+// docs/benchmarks.md). Batching two sweeps cost the OLMoE shape 2%, so K = 2048 goes one by one.
 template <int TT, bool NORM>
 __device__ void stage_x_rows(GemvStage& st, const float* __restrict__ x, const float* __restrict__ nw, int T, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, K4 = K >> 2;
