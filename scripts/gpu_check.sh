@@ -43,7 +43,7 @@ tree_variants=()
 if [ "$MODE" = trees ]; then  # each overlay in trees/ (scripts/export_tree.sh) is this tree with its files:
   # built beside this one's build, in /tmp/tiermoe-tree-LABEL
   for d in trees/*/; do
-    label=$(basename "$d") t=/tmp/tiermoe-tree-$(basename "$d")
+    label=$(basename "$d"); t=/tmp/tiermoe-tree-$label
     rm -rf "$t" && mkdir -p "$t" && cp -r src tests "$t"/ && cp -r "$d". "$t"/ || exit 1
     while IFS= read -r f; do [ -n "$f" ] && rm -f "$t/$f"; done < "$d.deleted"
     ( cmake -S "$t/tests/cuda" -B "$t/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$t/build.log" 2>&1 &&
