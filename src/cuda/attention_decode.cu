@@ -47,14 +47,12 @@ __device__ __forceinline__ uint4 bf16x8(const float* p) {
 
 // All threads of the block: KV head kvh of token t's new row (at pos_t, row pos_t - first_new of
 // k_new / v_new) into the cache.
-__device__ __forceinline__ void append_new_row(bf16* kc, bf16* vc, const int32_t* table, const float* k_new,
-                                               const float* v_new, int pos_t, int first_new, size_t row, int kvh,
-                                               int Dh) {
+__device__ __forceinline__ void append_new_row(bf16* kc, bf16* vc, size_t dst, const float* k_new, const float* v_new,
+                                               size_t src, int Dh) {
   for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
-    const size_t src = size_t(pos_t - first_new) * row + size_t(kvh) * Dh + i;
-    const size_t dst = kv_row(table, pos_t) * row + size_t(kvh) * Dh + i;
-    reinterpret_cast<__nv_bfloat16*>(kc)[dst] = __float2bfloat16_rn(k_new[src]);
-    reinterpret_cast<__nv_bfloat16*>(vc)[dst] = __float2bfloat16_rn(v_new[src]);
+    const float k = k_new[src + i], v = v_new[src + i];  // both loads out before either store
+    reinterpret_cast<__nv_bfloat16*>(kc)[dst + i] = __float2bfloat16_rn(k);
+    reinterpret_cast<__nv_bfloat16*>(vc)[dst + i] = __float2bfloat16_rn(v);
   }
 }
 
@@ -124,19 +122,21 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // no kernel of this pass writes (pos and the page tables were copied before the
   // pass's first kernel), so under programmatic launch they load while that kernel runs.
   const int first_cached = early && start < end ? load_cached(start, min(tile, end - start)) : -1;
+  // This block's KV head of token t's new row goes into the cache, if its key falls in this split:
+  // its cache row found before the wait (the page table is not written in the pass).
+  const bool appends = k_new && hg == 0 && pos[t] >= start && pos[t] < start + split_len;
+  const size_t append_at = appends ? kv_row(table, pos[t]) * row + size_t(kvh) * Dh : 0;
   pdl_wait();
   pdl_launch_dependents();
 
-  // This block's KV head of token t's new row goes into the cache, if its key falls in this split.
-  if (k_new && hg == 0 && pos[t] >= start && pos[t] < start + split_len)
-    append_new_row(kc, vc, table, k_new, v_new, pos[t], first_new, row, kvh, Dh);
-
+  // q before the new row: its loads go out with the row's, not after the row's stores.
   const float scale = rsqrtf(float(Dh));
   float qr[GM][8];  // phase A: this lane's 8 dims of every head's query
 #pragma unroll
   for (int g = 0; g < GM; ++g)
 #pragma unroll
     for (int i = 0; i < 8; ++i) qr[g][i] = g < G ? q[(size_t(t) * H + h0 + g) * Dh + part * 8 + i] * scale : 0.f;
+  if (appends) append_new_row(kc, vc, append_at, k_new, v_new, size_t(pos[t] - first_new) * row + size_t(kvh) * Dh, Dh);
 
   // Phase C's work split: item it = (kp, g, c), c fastest (neighbouring lanes read neighbouring
   // 16 bytes of a V row: no bank conflicts) = head g, dims 8c..8c+7, keys kp, kp + KP, ...
@@ -356,14 +356,17 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     }
   };
   if (start < end) load_cached(start);  // no kernel of this pass writes the cached rows
+  // Token t's new row into the cache, if its key falls in this split: its cache row found before the wait.
+  const bool appends = k_new && h % G == 0 && pos[t] >= start && pos[t] < start + split_len;
+  const size_t append_at = appends ? kv_row(table, pos[t]) * row + size_t(kvh) * Dh : 0;
   pdl_wait();
   pdl_launch_dependents();
-  if (k_new && h % G == 0 && pos[t] >= start && pos[t] < start + split_len)  // token t's new row into the cache
-    append_new_row(kc, vc, table, k_new, v_new, pos[t], first_new, row, kvh, Dh);
+  // q before the new row: its loads go out with the row's, not after the row's stores.
   const float scale = rsqrtf(float(Dh));
   const float* qh = q + (size_t(t) * H + h) * Dh + part * 8;
   const float4 q_lo = make_float4(qh[0] * scale, qh[1] * scale, qh[2] * scale, qh[3] * scale);
   const float4 q_hi = make_float4(qh[4] * scale, qh[5] * scale, qh[6] * scale, qh[7] * scale);
+  if (appends) append_new_row(kc, vc, append_at, k_new, v_new, size_t(pos[t] - first_new) * row + size_t(kvh) * Dh, Dh);
   float m = -INFINITY, l = 0.f, acc[8] = {};
   for (int r0 = start; r0 < end; r0 += per_round) {
     if (r0 != start) load_cached(r0);
