@@ -2378,7 +2378,7 @@ void check_attention_decode_per_head() {
 int sync_latency_main();  // sync_latency.cu
 int decode_chain_main();  // decode_chain.cu
 
-int main(int argc, char** argv) {
+int check_main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "latency") == 0) return sync_latency_main();
   if (argc > 1 && std::strcmp(argv[1], "chain") == 0) return decode_chain_main();
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
@@ -2500,4 +2500,15 @@ int main(int argc, char** argv) {
   if (g_skipped) std::printf("== %d cases skipped (TIERMOE_CHECK_SKIP, TIERMOE_CHECK_SAMPLE_BATCHED) ==\n", g_skipped);
   std::printf("== %d cases, %d failed ==\n", g_cases, g_fail);
   return g_fail ? 1 : 0;
+}
+
+// A request the device cannot serve (a config whose weights do not fit its memory, a bad flag) ends
+// with its message and status 2, not an uncaught exception.
+int main(int argc, char** argv) {
+  try {
+    return check_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tiermoe_cuda_check: %s\n", e.what());
+    return 2;
+  }
 }
