@@ -45,16 +45,27 @@ __device__ __forceinline__ uint4 bf16x8(const float* p) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// All threads of the block: KV head kvh of token t's new row (at pos_t, row pos_t - first_new of
-// k_new / v_new) into the cache.
-__device__ __forceinline__ void append_new_row(bf16* kc, bf16* vc, size_t dst, const float* k_new, const float* v_new,
-                                               size_t src, int Dh) {
-  for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
-    const float k = k_new[src + i], v = v_new[src + i];  // both loads out before either store
-    reinterpret_cast<__nv_bfloat16*>(kc)[dst + i] = __float2bfloat16_rn(k);
-    reinterpret_cast<__nv_bfloat16*>(vc)[dst + i] = __float2bfloat16_rn(v);
+// KV head kvh of token t's new row, if its key (at pos_t) falls in this block's split [start, start +
+// split_len): its row in the cache and in k_new / v_new (pos_t - first_new). Found before the wait:
+// the page table and pos are not written in the pass.
+struct NewRow {
+  bool on;
+  size_t dst, src;
+  __device__ NewRow(bool appender, const int32_t* table, int pos_t, int first_new, int start, int split_len, size_t row,
+                    int kvh, int Dh)
+      : on(appender && pos_t >= start && pos_t < start + split_len),
+        dst(on ? kv_row(table, pos_t) * row + size_t(kvh) * Dh : 0),
+        src(on ? size_t(pos_t - first_new) * row + size_t(kvh) * Dh : 0) {}
+  // All threads of the block: the row into the cache, if this block appends it.
+  __device__ void append(bf16* kc, bf16* vc, const float* k_new, const float* v_new, int Dh) const {
+    if (!on) return;
+    for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
+      const float k = k_new[src + i], v = v_new[src + i];  // both loads out before either store
+      reinterpret_cast<__nv_bfloat16*>(kc)[dst + i] = __float2bfloat16_rn(k);
+      reinterpret_cast<__nv_bfloat16*>(vc)[dst + i] = __float2bfloat16_rn(v);
+    }
   }
-}
+};
 
 // grid (Hkv * HG, n_splits, T), kWarpsPerBlock warps. GM >= G query heads per block (H / Hkv / HG). Dh = 8 * L with
 // L lanes per key, L in {2, 4, 8, 16, 32}: a template argument, so that the tile's index arithmetic
@@ -122,10 +133,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // no kernel of this pass writes (pos and the page tables were copied before the
   // pass's first kernel), so under programmatic launch they load while that kernel runs.
   const int first_cached = early && start < end ? load_cached(start, min(tile, end - start)) : -1;
-  // This block's KV head of token t's new row goes into the cache, if its key falls in this split:
-  // its cache row found before the wait (the page table is not written in the pass).
-  const bool appends = k_new && hg == 0 && pos[t] >= start && pos[t] < start + split_len;
-  const size_t append_at = appends ? kv_row(table, pos[t]) * row + size_t(kvh) * Dh : 0;
+  const NewRow new_row(k_new && hg == 0, table, pos[t], first_new, start, split_len, row, kvh, Dh);
   pdl_wait();
   pdl_launch_dependents();
 
@@ -136,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   for (int g = 0; g < GM; ++g)
 #pragma unroll
     for (int i = 0; i < 8; ++i) qr[g][i] = g < G ? q[(size_t(t) * H + h0 + g) * Dh + part * 8 + i] * scale : 0.f;
-  if (appends) append_new_row(kc, vc, append_at, k_new, v_new, size_t(pos[t] - first_new) * row + size_t(kvh) * Dh, Dh);
+  new_row.append(kc, vc, k_new, v_new, Dh);
 
   // Phase C's work split: item it = (kp, g, c), c fastest (neighbouring lanes read neighbouring
   // 16 bytes of a V row: no bank conflicts) = head g, dims 8c..8c+7, keys kp, kp + KP, ...
@@ -356,9 +364,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     }
   };
   if (start < end) load_cached(start);  // no kernel of this pass writes the cached rows
-  // Token t's new row into the cache, if its key falls in this split: its cache row found before the wait.
-  const bool appends = k_new && h % G == 0 && pos[t] >= start && pos[t] < start + split_len;
-  const size_t append_at = appends ? kv_row(table, pos[t]) * row + size_t(kvh) * Dh : 0;
+  const NewRow new_row(k_new && h % G == 0, table, pos[t], first_new, start, split_len, row, kvh, Dh);
   pdl_wait();
   pdl_launch_dependents();
   // q before the new row: its loads go out with the row's, not after the row's stores.
@@ -366,7 +372,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   const float* qh = q + (size_t(t) * H + h) * Dh + part * 8;
   const float4 q_lo = make_float4(qh[0] * scale, qh[1] * scale, qh[2] * scale, qh[3] * scale);
   const float4 q_hi = make_float4(qh[4] * scale, qh[5] * scale, qh[6] * scale, qh[7] * scale);
-  if (appends) append_new_row(kc, vc, append_at, k_new, v_new, size_t(pos[t] - first_new) * row + size_t(kvh) * Dh, Dh);
+  new_row.append(kc, vc, k_new, v_new, Dh);
   float m = -INFINITY, l = 0.f, acc[8] = {};
   for (int r0 = start; r0 < end; r0 += per_round) {
     if (r0 != start) load_cached(r0);
