@@ -265,7 +265,7 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
     LK(cudaGraphLaunch(exec, s));
     LK(cudaStreamSynchronize(s));
     LK(cudaMemcpy(want.data(), x, sh.D * sizeof(float), cudaMemcpyDeviceToHost));
-    for (const int mode : {0, kNoRouting, probe::kInterleave, probe::kWarpSteps, probe::kWarpSteps | probe::kInterleave}) {
+    for (const int mode : {0, kNoRouting, probe::kInterleave}) {
       LK(cudaMemcpy(x, init.data(), vec * sizeof(float), cudaMemcpyHostToDevice));
       if (persistent(mode)) return 1;
       LK(cudaStreamSynchronize(s));
@@ -273,9 +273,8 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
       const double err = rel_err(got, want);
       const bool ok = err < 1e-4;
       *failures += !ok;
-      std::fprintf(stderr, "%s persistent chain %s%s%s%s: final x rel err %.2e\n", ok ? "ok" : "FAIL", sh.name,
-                   mode & kNoRouting ? " (no routing wait)" : "", mode & probe::kInterleave ? " (interleaved chunks)" : "",
-                   mode & probe::kWarpSteps ? " (warps step alone)" : "", err);
+      std::fprintf(stderr, "%s persistent chain %s%s%s: final x rel err %.2e\n", ok ? "ok" : "FAIL", sh.name,
+                   mode & kNoRouting ? " (no routing wait)" : "", mode & probe::kInterleave ? " (interleaved chunks)" : "", err);
     }
     LK(cudaGraphExecDestroy(exec));
   }
@@ -285,9 +284,7 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
   LK(cudaEventCreate(&e1));
   const Variant variants[] = {{0, 0},  {-1, 0, 0},  {-1, 0, kNoRouting}, {-1, 0, probe::kNoWaits},
                               {-1, 0, probe::kNoCompute}, {-1, 0, probe::kNoWaits | probe::kNoCompute}, {15, 2}, {15, 3},
-                              {-1, 0, probe::kInterleave}, {-1, 0, probe::kInterleave | probe::kNoWaits | probe::kNoCompute},
-                              {-1, 0, probe::kWarpSteps}, {-1, 0, probe::kWarpSteps | probe::kInterleave},
-                              {-1, 0, probe::kWarpSteps | probe::kInterleave | probe::kNoWaits}};
+                              {-1, 0, probe::kInterleave}, {-1, 0, probe::kInterleave | probe::kNoWaits | probe::kNoCompute}};
   for (int round = 0; round < 2; ++round)
   for (const Variant var : variants) {
     cudaGraphExec_t exec = nullptr;
@@ -315,8 +312,7 @@ int run_shape(const Shape& sh, cudaStream_t s, bool* first_row, int* failures) {
                   var.mask & 4 ? "gate_up " : "", var.mask & 8 ? "down" : "");
     if (!var.mask) std::snprintf(name, sizeof name, "current");
     if (var.mask < 0)
-      std::snprintf(name, sizeof name, "persistent%s%s%s%s%s", var.mode & probe::kInterleave ? ", interleaved chunks" : "",
-                    var.mode & probe::kWarpSteps ? ", warps step alone" : "",
+      std::snprintf(name, sizeof name, "persistent%s%s%s%s", var.mode & probe::kInterleave ? ", interleaved chunks" : "",
                     var.mode & kNoRouting ? ", no routing wait" : "", var.mode & probe::kNoWaits ? ", no waits" : "",
                     var.mode & probe::kNoCompute ? ", no compute" : "");
     std::printf("%s  {\"shape\": \"%s\", \"variant\": \"%s\", \"weights_mb_per_layer\": %.1f, \"us_per_layer_p50\": %.2f, "

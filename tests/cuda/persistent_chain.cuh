@@ -38,11 +38,6 @@ constexpr int kNoCompute = 2;  // the ring is filled and emptied, nothing comput
 // ~1 MB apart. On an H100 (2026-12-06) the ring alone streamed the same either way (~2.98 TB/s,
 // its copy bandwidth): locality is not what holds it back; the whole chain ran 0.7-2.7% faster.
 constexpr int kInterleave = 8;
-// A form: each consumer warp waits for a step, reads x (K <= 2048: from L2 straight into its
-// registers) and counts itself done on its own, so no block barrier stands between a GEMV step and
-// the next; a step is done when all B * kConsumers warps have counted in. Tests whether the warps
-// starting every step together is what holds the consumers below the ring's rate.
-constexpr int kWarpSteps = 16;
 
 // One step of the chain. A GEMV (W set): y[N] = W[N, K] x[K], K % 256 == 0, K <= 2048 or K == 4096.
 // A small step (W null): every block reads all of x[N] and writes its slice of y (probe_step).
@@ -119,16 +114,11 @@ struct Share {
 // (kept in registers: read from shared memory per chunk they made the consumers 1.6x slower).
 struct LaneX {
   float4 lo[8], hi[8];
-  // From shared memory, or (through_l2) from global memory written by other blocks of this kernel.
-  __device__ void load(const float* xs, int K, int lane, bool through_l2 = false) {
-    auto at = [&](int c) {
-      const float4* p = reinterpret_cast<const float4*>(xs + c);
-      return through_l2 ? __ldcg(p) : *p;
-    };
+  __device__ void load(const float* xs, int K, int lane) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int e = 256 * j, c = (e >= K ? e - K : e) + 8 * lane;
-      if (c < K) lo[j] = at(c), hi[j] = at(c + 4);
+      if (c < K) lo[j] = *reinterpret_cast<const float4*>(xs + c), hi[j] = *reinterpret_cast<const float4*>(xs + c + 4);
     }
   }
 };
@@ -157,8 +147,6 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
   float* xs = reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes);
   __shared__ __align__(8) uint64_t full[kSlots], empty[kSlots];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, B = gridDim.x, b = blockIdx.x;
-  const bool by_warp = mode & kWarpSteps;
-  const unsigned counted = by_warp ? unsigned(B * kConsumers) : unsigned(B);  // a done step's count
   if (threadIdx.x == 0) {
     for (int i = 0; i < kSlots; ++i) mbar_init(&full[i], 1), mbar_init(&empty[i], kConsumers);
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;" ::: "memory");
@@ -171,7 +159,7 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
     for (int i = 0; i < n_steps; ++i) {
       const ChainStep s = steps[i];
       if (!s.W) continue;
-      if (s.route_after >= 0 && !(mode & kNoWaits)) spin_until(done + s.route_after, counted);
+      if (s.route_after >= 0 && !(mode & kNoWaits)) spin_until(done + s.route_after, unsigned(B));
       const Share sh(s, b, B, mode & kInterleave);
       for (int i = 0; i < sh.chunks; ++i, ++n) {
         const int slot = int(n % kSlots), use = int(n / kSlots);
@@ -192,23 +180,17 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
   for (int i = 0; i < n_steps; ++i) {
     const ChainStep s = steps[i];
     if (i > 0 && !(mode & kNoWaits)) {
-      if ((by_warp ? lane : threadIdx.x) == 0) spin_until(done + i - 1, counted);
-      if (by_warp) __syncwarp();
-      else consumers_sync();
+      if (threadIdx.x == 0) spin_until(done + i - 1, unsigned(B));
+      consumers_sync();
     }
     const int t = threadIdx.x;
     if (!s.W) {  // a small step
       probe_step<kConsumers * 32>(s.y, s.x, s.N, ConsumersSync{});
-    } else if (by_warp && s.K <= kUnit) {
-      X.load(s.x, s.K, lane, true);
     } else {
-      if (by_warp) consumers_sync();  // every warp is past the steps that read xs before
       for (int j = 4 * t; j < s.K; j += 4 * kConsumers * 32)
         *reinterpret_cast<float4*>(xs + j) = __ldcg(reinterpret_cast<const float4*>(s.x + j));
       consumers_sync();
       if (s.K <= kUnit) X.load(xs, s.K, lane);
-    }
-    if (s.W) {
       const Share sh(s, b, B, mode & kInterleave);
       const int loads = sh.loads();
       for (int i = 0, before = 0; i < sh.chunks; before += sh.count(i), ++i, ++n) {  // before: the step's groups so far
@@ -244,13 +226,8 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
         }
       }
     }
-    if (by_warp) {  // this warp's writes of this step are done
-      __syncwarp();
-      if (lane == 0) publish_count(done + i);
-    } else {
-      consumers_sync();  // every consumer's writes of this step are done (and xs is free)
-      if (threadIdx.x == 0) publish_count(done + i);
-    }
+    consumers_sync();  // every consumer's writes of this step are done (and xs is free)
+    if (threadIdx.x == 0) publish_count(done + i);
   }
 }
 
