@@ -33,7 +33,7 @@ constexpr int kNoCompute = 2;  // the ring is filled and emptied, nothing comput
 // that at any moment the SMs read neighbouring chunks, as the launches' register rounds do (warp w
 // of the stream kernels reads row w), instead of each SM its own contiguous share, 132 regions
 // ~1 MB apart. On an H100 (2026-12-06) the ring alone streamed the same either way (~2.98 TB/s,
-// its copy bandwidth): locality is not what holds it back; the whole chain ran 0.7-2.7% faster.
+// its copy bandwidth): locality is not what holds it back; the whole chain ran 0.6-3.5% faster.
 constexpr int kInterleave = 8;
 
 // One step of the chain. A GEMV (W set): y[N] = W[N, K] x[K], K % 256 == 0, K <= 2048 or K == 4096.
