@@ -158,12 +158,12 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
       if (!s.W) continue;
       if (s.route_after >= 0 && !(mode & kNoWaits)) spin_until(done + s.route_after, unsigned(B));
       const Share sh(s, b, B, mode & kInterleave);
-      for (int i = 0; i < sh.chunks; ++i, ++n) {
+      for (int c = 0; c < sh.chunks; ++c, ++n) {
         const int slot = int(n % kSlots), use = int(n / kSlots);
         if (use > 0) mbar_wait(&empty[slot], (use - 1) & 1);
-        const unsigned bytes = unsigned(sh.count(i) * sh.group_elems * 2);
+        const unsigned bytes = unsigned(sh.count(c) * sh.group_elems * 2);
         mbar_expect_tx(&full[slot], bytes);
-        bulk_copy(smem + size_t(slot) * kSlotBytes, s.W + size_t(sh.first(i)) * sh.group_elems, bytes, &full[slot]);
+        bulk_copy(smem + size_t(slot) * kSlotBytes, s.W + size_t(sh.first(c)) * sh.group_elems, bytes, &full[slot]);
       }
     }
     return;
@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
       if (s.K <= kUnit) X.load(xs, s.K, lane);
       const Share sh(s, b, B, mode & kInterleave);
       const int loads = sh.loads();
-      for (int i = 0, before = 0; i < sh.chunks; before += sh.count(i), ++i, ++n) {  // before: the step's groups so far
-        const int slot = int(n % kSlots), first = sh.first(i), count = sh.count(i);
+      for (int c = 0, before = 0; c < sh.chunks; before += sh.count(c), ++c, ++n) {  // before: the step's groups so far
+        const int slot = int(n % kSlots), first = sh.first(c), count = sh.count(c);
         mbar_wait(&full[slot], (n / kSlots) & 1);
         const uint4* chunk = reinterpret_cast<const uint4*>(smem + size_t(slot) * kSlotBytes);
         bool freed = false;
