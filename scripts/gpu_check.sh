@@ -97,7 +97,7 @@ PY
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
 elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail|fp8|trees)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
   log check
-  timeout 150 $C 2>&1 | tee "$OUT/check.txt"
+  timeout 240 $C 2>&1 | tee "$OUT/check.txt"
 fi
 if [ "$MODE" = again ]; then  # the kernel table twice more, then the race and init checkers
   for i in 1 2; do $C --kernels-only | grep -E "FAIL|moe|==" | tee -a "$OUT/again.txt"; done
