@@ -1,4 +1,4 @@
-// The timing loop of `tiermoe bench`, shared with tests/cuda/cuda_check.cpp (which runs the same
+// The timing loop of `tiermoe bench`, shared with tests/cuda/bench_modes.cpp (which runs the same
 // benchmark on machines that lack the tokenizer's libraries). Header-only on purpose.
 #pragma once
 #include <algorithm>

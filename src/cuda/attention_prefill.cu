@@ -15,7 +15,7 @@
 // last query position are never read; the causal mask is applied only in the tiles that reach past
 // its first query position (the diagonal ones).
 //
-// Precision (measured on an H200, tests/cuda/cuda_check.cpp, docs/cuda.md): Q is FP32 and enters as
+// Precision (measured on an H200, tests/cuda/check_attention.cpp, docs/cuda.md): Q is FP32 and enters as
 // two BF16 parts hi + lo (bf16_split), two MMAs summed, so the scores are FP32-level; K and V are BF16
 // in the cache (exact on the tensor cores). P, in [0, 1], enters as hi + lo as well (split_p, the
 // backend's default: error against the FP32 twin <= 4.2e-6) or rounded to BF16 once (1.6e-3, the

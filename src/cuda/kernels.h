@@ -1,7 +1,7 @@
 // CUDA kernels of the forward pass. Every function takes raw DEVICE pointers, shapes as ints and
 // a stream, launches asynchronously and returns the launch's cudaError_t; none allocates or
 // synchronizes, so a decode step made of them can be captured as a graph. Each has a CPU twin
-// (src/cpu/*.h) it is checked against in tests/cuda/cuda_check.cpp.
+// (src/cpu/*.h) it is checked against in tests/cuda/check_*.cpp.
 // Shape legend: T tokens, D hidden, H/Hkv heads, Dh head dim, E experts, K top-k, F FFN width.
 // Weights are BF16 (raw bits as uint16_t), activations FP32, accumulation FP32.
 #pragma once
@@ -238,7 +238,7 @@ void set_moe_grouped_groups(int groups);
 //                    hi alone, one rounding), pipelined (cp.async, ldmatrix, mma.sync); Kd % 8 == 0
 //                    only (else cudaErrorInvalidValue: use moe_expert_gemm). Its MMA accumulators
 //                    are folded into FP32 sums every 128 of Kd (FP32-level at Kd = 14336). Deterministic.
-// twin: the CPU MoE per (t, k) expert matmuls (tests/cuda/cuda_check.cpp).
+// twin: the CPU MoE per (t, k) expert matmuls (tests/cuda/check_moe.cpp).
 constexpr int kMoeTileM = 64;
 int moe_sort_rows(int TK, int E);
 cudaError_t moe_sort(int32_t* rows, int32_t* tile_expert, const int32_t* ids, int TK, int E, cudaStream_t s);

@@ -14,7 +14,7 @@
 // version, kept for Kd % 8 != 0 and for A/B timing, TIERMOE_CUDA_MOE_GEMM=0): wmma on 64 x 64 tiles,
 // synchronous loads, the FP32 input split inside every k-step.
 //
-// Precision (H200, tests/cuda/cuda_check.cpp, docs/cuda.md): the tensor cores' FP32 accumulation
+// Precision (H200, tests/cuda/check_moe.cpp, docs/cuda.md): the tensor cores' FP32 accumulation
 // loses accuracy as a long sum grows (error about linear in Kd: both kernels 4.9e-5 against the
 // FP32 twin at Mixtral's F = 14336, at the table's tolerance, 2.0e-5 at D = 4096). The pipelined
 // kernel restarts its MMA accumulators every kFoldSteps k-steps and adds them to FP32 sums

@@ -55,7 +55,7 @@ size_t sample_tokens_scratch_bytes(int B, int V);
 // Not bit-exact with the CPU: the device's exp() and the block's summation order differ from
 // glibc's exp and a sequential sum by a few ulps, so a row whose u * total (or whose nucleus sum
 // against top_p) lies within ~1e-15 relative of a boundary between two candidates may pick the
-// neighbour. tests/cuda/cuda_check.cpp accepts another token only when it is what sample_token
+// neighbour. tests/cuda/check_sampling.cpp accepts another token only when it is what sample_token
 // gives with u moved by 1e-9 (u * total within 1e-9 of total from the boundary) or with top_p
 // moved to a neighbouring float (the nucleus cut; top_p is a float), and reports those rows apart.
 // sort: whether any row is a sort row (sample_sort_row), as the caller knows from the params it
