@@ -201,7 +201,6 @@ if [ "$MODE" = ab ]; then  # before/after in one run: rounds of old, new, new + 
     [new-nopdl]="TIERMOE_CUDA_PDL=0"                  # no programmatic dependent launch
     [new-bf16prompt]="TIERMOE_CUDA_SPLIT=0"           # prompt activations in one BF16 part
     [new-nostage]="TIERMOE_CUDA_GEMV_STAGE=0"         # no GEMV input stage in shared memory
-    [new-late]="TIERMOE_CUDA_ATTN_EARLY=0"            # decode attention's first tile after the wait, no head groups
     [new-notc]="TIERMOE_CUDA_DECODE_TC=0"             # batch-1 decode attention never on the tensor cores
     [new-tcall]="TIERMOE_CUDA_DECODE_TC_MIN_G=1 TIERMOE_CUDA_DECODE_TC=1024"  # on them for every G (OLMoE's 1 too) from 1024 keys
     [new-tc1]="TIERMOE_CUDA_DECODE_TC=1"              # on them from the first key (G >= 4), for the short-context rows

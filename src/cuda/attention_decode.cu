@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, KvFp8 fp8, const int32_t* table,
     const int32_t* const* __restrict__ tables, const float* __restrict__ k_new, const float* __restrict__ v_new,
-    const int32_t* __restrict__ pos, int H, int Hkv, bool early) {
+    const int32_t* __restrict__ pos, int H, int Hkv) {
   // gridDim.x = Hkv * HG: HG blocks share a KV head, each with G of its query heads from head h0.
   const int HG = gridDim.x / Hkv, kvh = blockIdx.x / HG, hg = blockIdx.x % HG;
   const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // Before the wait for the previous kernel (q/k norm + RoPE): the first tile's cached rows, which
   // no kernel of this pass writes (pos and the page tables were copied before the
   // pass's first kernel), so under programmatic launch they load while that kernel runs.
-  const int first_cached = early && start < end ? load_cached(start, min(tile, end - start)) : -1;
+  const int first_cached = start < end ? load_cached(start, min(tile, end - start)) : -1;
   const NewRow new_row(k_new && hg == 0, table, pos[t], first_new, start, split_len, row, kvh, Dh);
   pdl_wait();
   pdl_launch_dependents();
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     const int g = i / Dh, d = i % Dh, c = d / 8;
     float a = 0.f;
     for (int kp = 0; kp < KP; ++kp) a += red[(kp * GL + g * L + c) * 8 + d % 8];
-    if (early && n_splits == 1) {  // the only split: the output directly (the merge's weight would be exactly 1)
+    if (n_splits == 1) {  // the only split: the output directly (the merge's weight would be exactly 1)
       out[(size_t(t) * H + h0 + g) * Dh + d] = a / lrun[g];
       continue;
     }
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     if (d == 0) dst[0] = mrun[g], dst[1] = lrun[g];
   }
 
-  if (early && n_splits == 1) return;
+  if (n_splits == 1) return;
   // The last split block of (t, kvh, hg) combines all splits.
   __threadfence();
   __syncthreads();
@@ -484,8 +484,6 @@ namespace {
 // set_attention_decode_per_head (TIERMOE_CUDA_ATTN_HEAD=0|1|2); 1, measured faster than the tiled kernel
 // at G = 1 and at G = 8 up to 512 keys (docs/benchmarks.md, "Decode attention: one query head per block").
 int g_attention_per_head = 1;
-bool g_attention_early = true;  // TIERMOE_CUDA_ATTN_EARLY=0: the first tile after the wait, the merge even for one split,
-                                // all G heads of a KV head in one block
 
 // How many blocks share a KV head (each with G / HG of its query heads): the most, in powers of
 // two dividing G, that keep the grid within two blocks per multiprocessor. Few (KV head, split)
@@ -498,12 +496,12 @@ int head_groups(int G, int blocks) {
   return hg;
 }
 
-// Whether one sequence's launch takes attention_decode_head_kernel (the early path only): mode 1 at
+// Whether one sequence's launch takes attention_decode_head_kernel: mode 1 at
 // G = 1, and at G > 1 up to kHeadMaxSplits splits (the backend's rule gives those up to 2048 keys),
 // where reading the K/V rows once per query head costs little; mode 2 always.
 constexpr int kHeadMaxSplits = 16;
 bool per_head_kernel(int H, int Hkv, const int32_t* const* tables, int n_splits) {
-  if (tables || !g_attention_early) return false;
+  if (tables) return false;
   return g_attention_per_head == 2 || (g_attention_per_head == 1 && (H == Hkv || n_splits <= kHeadMaxSplits));
 }
 // f(std::integral_constant<int, Dh>) for the head sizes the decode kernels are built for
@@ -547,10 +545,10 @@ cudaError_t launch_attention_decode(float* out, const float* q, const KvPages& k
     return launch(kernel, dim3(H, n_splits, T), kThreads, 0, s, out, partial, counters, q, kv.k, kv.v, kv.fp8, kv.table,
                   k_new, v_new, pos, Hkv);
   }
-  const int HG = g_attention_early ? head_groups(H / Hkv, Hkv * n_splits * T) : 1, G = H / Hkv / HG;
+  const int HG = head_groups(H / Hkv, Hkv * n_splits * T), G = H / Hkv / HG;
   const dim3 grid(Hkv * HG, n_splits, T);
   return launch(kernel_for(G, Dh, kv.is_fp8()), grid, kThreads, 0, s, out, partial, counters, q, kv.k, kv.v, kv.fp8, kv.table,
-                kv.tables, k_new, v_new, pos, H, Hkv, g_attention_early);
+                kv.tables, k_new, v_new, pos, H, Hkv);
 }
 }  // namespace
 
@@ -570,7 +568,6 @@ cudaError_t attention_decode_batch(float* out, const float* q, KvPages kv, const
   return launch_attention_decode(out, q, kv, k_new, v_new, pos, B, H, Hkv, Dh, n_splits, partial, counters, s);
 }
 
-void set_attention_early(bool on) { g_attention_early = on; }
 void set_attention_decode_per_head(int mode) { g_attention_per_head = mode == 1 || mode == 2 ? mode : 0; }
 
 int attention_decode_split_cap(int H, int Hkv, int Dh, bool fp8) {

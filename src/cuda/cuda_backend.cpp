@@ -105,8 +105,6 @@ class CudaBackend final : public Backend {
     cuda::set_programmatic_launch(!(pdl && pdl[0] == '0'));
     const char* stage = std::getenv("TIERMOE_CUDA_GEMV_STAGE");
     cuda::set_gemv_stage(!(stage && stage[0] == '0'));
-    const char* early = std::getenv("TIERMOE_CUDA_ATTN_EARLY");
-    cuda::set_attention_early(!(early && early[0] == '0'));
     if (const char* e = std::getenv("TIERMOE_CUDA_ATTN_HEAD")) cuda::set_attention_decode_per_head(std::atoi(e));
     if (const char* e = std::getenv("TIERMOE_CUDA_TC_KEYS")) cuda::set_attention_decode_keys_form(e[0] != '0');
     if (const char* e = std::getenv("TIERMOE_CUDA_GEMV_TC")) cuda::set_gemv_tc(std::atoi(e));

@@ -324,8 +324,6 @@ cudaError_t attention_decode_batch(float* out, const float* q, KvPages kv, const
                                    const int32_t* pos, int B, int H, int Hkv, int Dh, int n_splits, float* partial,
                                    unsigned* counters, cudaStream_t s);
 // attention_decode() and attention_decode_batch() handle H / Hkv <= 8 and Dh in {16, 32, 64, 128, 256}.
-// Off (for A/B timing): the first cached tile loaded after the wait, and the merge even for one split.
-void set_attention_early(bool on);
 // Which launches of one sequence take the kernel of one query head per block with K/V in registers
 // (attention_decode.cu) instead of the tiled one: 0 none; 1 (the default) those at G = 1, and at
 // G > 1 those of up to 16 key splits; 2 all.

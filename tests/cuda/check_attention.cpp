@@ -395,16 +395,6 @@ void check_attention_decode_batch() {
   }
 }
 
-// Decode attention again with set_attention_early(false): the first cached tile loaded after the
-// wait and the merge even for one split (the path the early one replaced; for A/B timing).
-void check_attention_decode_late() {
-  std::printf("-- attention_decode, attention_decode_batch: first tile after the wait, merge always --\n");
-  cu::set_attention_early(false);
-  check_attention_decode();
-  check_attention_decode_batch();
-  cu::set_attention_early(true);
-}
-
 // Decode attention again on the tiled kernel only (set_attention_decode_per_head(0)), and with the
 // per-head kernel at every G (2); the default (check_attention_decode) takes it at G = 1 and for
 // G > 1 up to 16 splits.

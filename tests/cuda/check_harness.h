@@ -165,7 +165,6 @@ void check_attention_prefill_decode();
 void check_attention_prefill_decode_rows();
 void check_attention_decode();
 void check_attention_decode_batch();
-void check_attention_decode_late();
 void check_attention_decode_per_head();
 void attention_timing(int past, int H, int Hkv, int Dh);
 void check_kv_fp8_writes();

@@ -54,7 +54,7 @@ int check_main(int argc, char** argv) {
         {"attention_prefill_decode", check_attention_prefill_decode},
         {"attention_prefill_decode_rows", check_attention_prefill_decode_rows}, {"attention_decode", check_attention_decode},
         {"attention_decode_batch", check_attention_decode_batch},
-        {"attention_decode_late", check_attention_decode_late}, {"attention_decode_per_head", check_attention_decode_per_head},
+        {"attention_decode_per_head", check_attention_decode_per_head},
         {"kv_fp8_writes", check_kv_fp8_writes}, {"attention_fp8", check_attention_fp8}, {"sample_tokens", check_sampling}};
     for (const auto& [name, check] : checks)
       if (want(name)) check();
