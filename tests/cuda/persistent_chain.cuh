@@ -24,6 +24,7 @@
 namespace tiermoe::cuda::probe {
 
 constexpr int kConsumers = 8, kPersistThreads = (kConsumers + 1) * 32;
+static_assert((kConsumers & (kConsumers - 1)) == 0, "a chunk's groups are dealt to the consumer warps by a mask");
 constexpr int kSlotBytes = 32768, kSlots = 6, kMaxK = 4096, kUnit = 2048;  // kUnit: weights per unit
 constexpr size_t kPersistSmem = size_t(kSlots) * kSlotBytes + kMaxK * sizeof(float);
 // What a run leaves out, to see where its time goes (the results are then wrong):
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
 
   // The consumers: warps 0-7, in step order. Every warp waits for every chunk and counts itself out
   // of its slot (the empty barrier's count is all of them: no warp may run a ring ahead), as soon as
-  // its loads from the slot are in registers; group k of the share goes to warp k % 8.
+  // its loads from the slot are in registers; group k of the share goes to warp k % kConsumers.
   unsigned n = 0;  // chunks consumed so far (the same count as the producer's)
   LaneX X;
   for (int i = 0; i < n_steps; ++i) {
@@ -195,7 +196,7 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
         mbar_wait(&full[slot], (n / kSlots) & 1);
         const uint4* chunk = reinterpret_cast<const uint4*>(smem + size_t(slot) * kSlotBytes);
         bool freed = false;
-        for (int k = (warp - before) & 7; k < count && !(mode & kNoCompute); k += kConsumers) {
+        for (int k = (warp - before) & (kConsumers - 1); k < count && !(mode & kNoCompute); k += kConsumers) {
           float acc0 = 0.f, acc1 = 0.f;
           for (int u = 0; u < sh.units; ++u) {
             uint4 v[8];
