@@ -106,36 +106,35 @@ void check_gemv_argmax() {
   report("gemv_argmax / argmax_tokens refuse a null best and T > 8", refused ? 0.0 : 1.0, 0.0);
 }
 
+// gemv3 of random q/k/v weights [Nq | Nk | Nk, K] on T tokens against the CPU, the attention norm
+// folded in or not: the largest relative error of the three outputs (poisoned before the run).
+double gemv3_error(int T, int Nq, int Nk, int K, bool norm) {
+  auto x = randn(size_t(T) * K), nw = randn(K);
+  std::vector<float> h = x;
+  if (norm) rmsnorm(h.data(), x.data(), nw.data(), T, K, 1e-6f);
+  const int Ns[3] = {Nq, Nk, Nk};
+  std::vector<std::vector<uint16_t>> wb(3);
+  std::vector<std::vector<float>> ref(3);
+  for (int i = 0; i < 3; ++i) {
+    wb[i] = bf16_of(randn(size_t(Ns[i]) * K, 0.05f));
+    ref[i].resize(size_t(T) * Ns[i]);
+    matmul(ref[i].data(), h.data(), wb[i].data(), DType::BF16, T, Ns[i], K);
+  }
+  Dev<float> dx(x), dnw(nw), y0(ref[0].size()), y1(ref[1].size()), y2(ref[2].size());
+  Dev<uint16_t> w0(wb[0]), w1(wb[1]), w2(wb[2]);
+  y0.poison(), y1.poison(), y2.poison();
+  CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, T, K, 0, norm ? dnw.p : nullptr, 1e-6f));
+  return std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
+}
+
 void check_gemv3() {
   struct C { int T, Nq, Nk, K; };
   // one token: the stream (rows of one and of two units, several rows per warp) unless forced by rows
   for (C c : {C{1, 4096, 512, 2048}, C{3, 64, 32, 64}, C{8, 96, 40, 48}, C{2, 24, 8, 20}, C{1, 520, 72, 4096},
-              C{1, 2048, 2048, 2048}}) {
-    auto x = randn(size_t(c.T) * c.K);
-    const int Ns[3] = {c.Nq, c.Nk, c.Nk};
-    std::vector<std::vector<uint16_t>> wb(3);
-    std::vector<std::vector<float>> ref(3);
-    for (int i = 0; i < 3; ++i) {
-      wb[i] = bf16_of(randn(size_t(Ns[i]) * c.K, 0.05f));
-      ref[i].resize(size_t(c.T) * Ns[i]);
-      matmul(ref[i].data(), x.data(), wb[i].data(), DType::BF16, c.T, Ns[i], c.K);
-    }
-    Dev<float> dx(x), y0(ref[0].size()), y1(ref[1].size()), y2(ref[2].size());
-    Dev<uint16_t> w0(wb[0]), w1(wb[1]), w2(wb[2]);
-    CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0));
-    const double e = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
-    report(fmt("gemv3 (q,k,v) T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K), e, 1e-5);
-    // With the attention norm folded in.
-    auto nw = randn(c.K);
-    std::vector<float> h(x.size());
-    rmsnorm(h.data(), x.data(), nw.data(), c.T, c.K, 1e-6f);
-    for (int i = 0; i < 3; ++i) matmul(ref[i].data(), h.data(), wb[i].data(), DType::BF16, c.T, Ns[i], c.K);
-    Dev<float> dnw(nw);
-    y0.poison(), y1.poison(), y2.poison();
-    CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0, dnw.p, 1e-6f));
-    const double en = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
-    report(fmt("gemv3+norm (q,k,v) T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K), en, 1e-5);
-  }
+              C{1, 2048, 2048, 2048}})
+    for (bool norm : {false, true})
+      report(fmt("gemv3%s (q,k,v) T=%d N=%d,%d,%d K=%d", norm ? "+norm" : "", c.T, c.Nq, c.Nk, c.Nk, c.K),
+             gemv3_error(c.T, c.Nq, c.Nk, c.K, norm), 1e-5);
 }
 
 // 2 .. 8 tokens on the tensor cores (gemv_tc: K % 256 == 0), against the CPU: plain, accumulating,
@@ -174,26 +173,9 @@ void check_gemv_tc() {
                rel(cores, ref)));
   }
   struct C3 { int T, Nq, Nk, K; };
-  for (C3 c : {C3{4, 2048, 512, 2048}, C3{8, 4096, 512, 2048}, C3{3, 40, 24, 256}}) {
-    auto x = randn(size_t(c.T) * c.K), nw = randn(c.K);
-    const int Ns[3] = {c.Nq, c.Nk, c.Nk};
-    std::vector<float> h(x.size());
-    rmsnorm(h.data(), x.data(), nw.data(), c.T, c.K, 1e-6f);
-    std::vector<std::vector<uint16_t>> wb(3);
-    std::vector<std::vector<float>> ref(3);
-    for (int i = 0; i < 3; ++i) {
-      wb[i] = bf16_of(randn(size_t(Ns[i]) * c.K, 0.05f));
-      ref[i].resize(size_t(c.T) * Ns[i]);
-      matmul(ref[i].data(), h.data(), wb[i].data(), DType::BF16, c.T, Ns[i], c.K);
-    }
-    Dev<float> dx(x), dnw(nw), y0(ref[0].size()), y1(ref[1].size()), y2(ref[2].size());
-    Dev<uint16_t> w0(wb[0]), w1(wb[1]), w2(wb[2]);
-    y0.poison(), y1.poison(), y2.poison();
-    CK(cu::gemv3(y0.p, w0.p, Ns[0], y1.p, w1.p, Ns[1], y2.p, w2.p, Ns[2], dx.p, c.T, c.K, 0, dnw.p, 1e-6f));
-    const double e = std::max({rel(y0.get(), ref[0]), rel(y1.get(), ref[1]), rel(y2.get(), ref[2])});
+  for (C3 c : {C3{4, 2048, 512, 2048}, C3{8, 4096, 512, 2048}, C3{3, 40, 24, 256}})
     report(fmt("gemv3+norm on the tensor cores T=%d N=%d,%d,%d K=%d", c.T, c.Nq, c.Nk, c.Nk, c.K),
-           cu::gemv_tc_fits(c.T, c.K) ? e : 1.0, 1e-5);
-  }
+           cu::gemv_tc_fits(c.T, c.K) ? gemv3_error(c.T, c.Nq, c.Nk, c.K, true) : 1.0, 1e-5);
 }
 
 // The GEMV-style kernels again with x read by every warp (set_gemv_stage(false)): the fold that
