@@ -134,8 +134,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // pass's first kernel), so under programmatic launch they load while that kernel runs.
   const int first_cached = start < end ? load_cached(start, min(tile, end - start)) : -1;
   const NewRow new_row(k_new && hg == 0, table, pos[t], first_new, start, split_len, row, kvh, Dh);
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
 
   // q before the new row: its loads go out with the row's, not after the row's stores.
   const float scale = rsqrtf(float(Dh));
@@ -365,8 +364,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   };
   if (start < end) load_cached(start);  // no kernel of this pass writes the cached rows
   const NewRow new_row(k_new && h % G == 0, table, pos[t], first_new, start, split_len, row, kvh, Dh);
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   // q before the new row: its loads go out with the row's, not after the row's stores.
   const float scale = rsqrtf(float(Dh));
   const float* qh = q + (size_t(t) * H + h) * Dh + part * 8;

@@ -237,8 +237,7 @@ __device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bf
   b.n_tiles = max(0, (b.k_end - k_begin + kTileK - 1) / kTileK);
   const bool early = b.n_tiles > 0 && (b.first_tile + 1) * kTileK <= first_new;
   if (early) load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   if (b.n_tiles > 0 && !early) load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
   return b;
 }

@@ -106,8 +106,7 @@ __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) gemv_stream_k
   if (units > 0) load(a, 0);
   // best[0] as this block starts: a filter for the atomic (gemv_kernel's reason), read before the wait.
   const unsigned long long seen = ARGMAX && threadIdx.x == 0 ? __ldcg(best) : 0;
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   zero_router_slots(segs);
   stage_x<1, NORM>(st, x, nw, eps, 1, K);
   const float inv = NORM ? st.inv[0] : 1.f;
@@ -138,8 +137,7 @@ __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) gemv_stream_k
 
 // tokens[t] = the id in best[t] (0 if none), and best[t] = 0 for the next step.
 __global__ void argmax_tokens_kernel(int32_t* tokens, unsigned long long* best, int T) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   const int t = threadIdx.x;
   if (t >= T) return;
   unsigned long long* slot = best + size_t(t) * kRouterLogitStride;

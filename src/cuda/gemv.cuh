@@ -185,9 +185,9 @@ __device__ __forceinline__ void prefetch_rows(float (&old)[NR][TT], const float*
 // T <= TT tokens, each weight row read once. xn = x, or with NORM xn = rmsnorm(x) * nw, computed as
 // inv_t * (W (x * nw)). x comes from the block's stage (stage_x) where it fits; elsewhere every lane
 // reads its share of x itself and gathers the sum of squares from those loads (the fold).
-// The first round of weight loads is issued BEFORE pdl_wait(): no kernel writes weights, so under
-// programmatic launch they stream in while the previous kernel finishes. Calls pdl_wait() /
-// pdl_launch_dependents() itself; every thread of the block must call it (warps past N only
+// The first round of weight loads is issued BEFORE the wait: no kernel writes weights, so under
+// programmatic launch they stream in while the previous kernel finishes. Calls pdl_start()
+// itself; every thread of the block must call it (warps past N only
 // wait). inv_out[t] gets inv_t (NORM, n0 < N); kept[r * TT + t] (shared memory, optional) a copy of
 // each written output. With st (stage_fits(T, K), the same for the whole
 // block) x is taken from the block's stage instead, staged here after the wait if `stage` is set
@@ -213,8 +213,7 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
     const int K8 = K >> 3;
     uint4 wv[NR][CH] = {};
     load_row_chunks(wv, w, K, nr, lane, K8);
-    pdl_wait();
-    pdl_launch_dependents();
+    pdl_start();
     if (accumulate) prefetch_rows<TT, NR>(old, y, T, N, n0, nr, lane);
     if (st && stage) stage_x<TT, NORM>(*st, x, nw, eps, T, K);
     if (nr == 0) return;
@@ -255,8 +254,7 @@ __device__ __forceinline__ void gemv_rows(float* __restrict__ y, const float* __
       }
     }
   } else {
-    pdl_wait();
-    pdl_launch_dependents();
+    pdl_start();
     if (nr == 0) return;
     if (accumulate) prefetch_rows<TT, NR>(old, y, T, N, n0, nr, lane);
     for (int i = lane; i < K; i += 32) {

@@ -53,8 +53,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_tc_kernel(GemvSegs segs, con
   // As gemv_kernel: the slot as this block starts filters the atomic below, read before the wait.
   unsigned long long* slot = ARGMAX && threadIdx.x < T ? best + size_t(threadIdx.x) * kRouterLogitStride : nullptr;
   const unsigned long long seen = slot ? __ldcg(slot) : 0;
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   zero_router_slots(segs);
   // Thread i's output (row i / 8, token i % 8): y's old value for accumulate, read early.
   const int orow = threadIdx.x / kTcCols, ot = threadIdx.x % kTcCols;

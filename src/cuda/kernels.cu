@@ -85,8 +85,7 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     if (int(threadIdx.x) < pairs) pair_params(threadIdx.x, sn0, cs0, wa0, wb0);
   };
   if (early) prepare();
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   float inv = 1.f;
   if (nw) {
     __shared__ float part[32];
@@ -278,8 +277,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
 __global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh, int buf_floats) {
   extern __shared__ __align__(16) float buf[];
   __shared__ float Mh[1], scale[1];
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   const size_t th = blockIdx.x;
   merge_splits<4>(out + th * Dh, partial + th * n_splits * (Dh + 2), 1, n_splits, Dh, buf, buf_floats, Mh, scale);
 }

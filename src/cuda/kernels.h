@@ -58,6 +58,7 @@ struct KvPages {  // one sequence in one layer's pool, or (tables) one token of 
 // attention_decode, moe_route, moe_gate_up[_routed], moe_down): see dependent_launch.cuh. Off here by default;
 // the CUDA backend turns it on (TIERMOE_CUDA_PDL=0 keeps it off).
 void set_programmatic_launch(bool on);
+bool programmatic_launch();
 // The GEMV-style kernels (gemv, gemv3, moe_route) stage their input x once per block in shared
 // memory where T * K <= 4096 (on by default); off: every warp reads x (and the norm weights) itself.
 void set_gemv_stage(bool on);

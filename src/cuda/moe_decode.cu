@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_routed_kernel(float* 
                                                                          const bf16* __restrict__ Wgu, int E, int K,
                                                                          int F, int D, bool renormalize, bool warp_topk) {
   __shared__ RouteShared sh;
-  pdl_wait();
+  pdl_wait();  // then the next kernel: moe_down reads the o projection's results before its wait
   pdl_launch_dependents();
   const int tk = blockIdx.y, t = tk / K, k = tk % K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool router_column = blockIdx.x == gridDim.x - 1;
@@ -263,8 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_down_kernel(float* __re
   if (!acc && threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
   const int r = threadIdx.x;
   const float x_old = r < R && d0 + r < D ? x[size_t(t) * D + d0 + r] : 0.f;
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   if (acc && threadIdx.x < K) wk[threadIdx.x] = weights[t * K + threadIdx.x];
   float s[NR] = {};
   auto dot_unit = [&](const uint4(&v)[NR][CH], int u) {  // and the job's partials after its last round

@@ -145,8 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_down_tc_kernel(float* __re
     return threadIdx.x < kTcRows * kTcCols && ot < T && d < D ? x[size_t(ot) * D + d] : 0.f;
   };
   float old = residual(b);
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_start();
   Act ac, an;
   if (units > 0) load_act(ac);
   for (int i = threadIdx.x; i < U * kTcCols; i += blockDim.x) {
