@@ -41,12 +41,14 @@ if [ -n "${CHECK_XZ:-}" ]; then mkdir -p build-gpu && xz -dc "$CHECK_XZ" > build
 C=${CHECK_BIN:-./build-gpu/tiermoe_cuda_check}
 tree_variants=()
 if [ "$MODE" = trees ]; then  # each overlay in trees/ (scripts/export_tree.sh) is this tree with its files:
-  # built beside this one's build, in /tmp/tiermoe-tree-LABEL
+  # built beside this one's build, in /tmp/tiermoe-tree-LABEL, with the CMake arguments in its
+  # .cmake_args if it has one (e.g. an overlay of no files and -DTIERMOE_PDL_DEEP=ON)
   for d in trees/*/; do
     label=$(basename "$d"); t=/tmp/tiermoe-tree-$label
     rm -rf "$t" && mkdir -p "$t" && cp -r src tests "$t"/ && cp -r "$d". "$t"/ || exit 1
     while IFS= read -r f; do [ -n "$f" ] && rm -f "$t/$f"; done < "$d.deleted"
-    ( cmake -S "$t/tests/cuda" -B "$t/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$t/build.log" 2>&1 &&
+    read -ra extra <<< "$(cat "$d.cmake_args" 2> /dev/null)"
+    ( cmake -S "$t/tests/cuda" -B "$t/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD "${extra[@]}" > "$t/build.log" 2>&1 &&
       cmake --build "$t/build" -j8 --target tiermoe_cuda_check >> "$t/build.log" 2>&1 || { echo "trees: $label did not build"; tail -20 "$t/build.log"; } ) &
     tree_variants+=("$label BIN=$t/build/tiermoe_cuda_check")
   done
