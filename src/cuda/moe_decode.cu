@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) moe_gate_up_s
                                                                             int F, int D, bool renormalize, bool warp_topk) {
   constexpr int kUnit = 2048, kL = kUnit / 256;  // weights per unit, loads per lane per unit
   __shared__ RouteShared sh;
-  pdl_wait();
+  pdl_wait();  // then the next kernel: moe_down reads the o projection's results before its wait
   pdl_launch_dependents();
   const bool router_column = blockIdx.x == gridDim.x - 1;
   const float inv = route_block(sh, ids, weights, h, nw, eps, acc, 0, 0, E, K, D, renormalize, router_column, warp_topk);
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm) moe_gate_up_s
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_kernel(float* __restrict__ act, const float* __restrict__ h,
                                                                   const bf16* __restrict__ Wgu,
                                                                   const int32_t* __restrict__ ids, int K, int F, int D) {
-  pdl_wait();
+  pdl_wait();  // then the next kernel: moe_down reads the o projection's results before its wait
   pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int f = blockIdx.x * kWarps + (threadIdx.x >> 5);
