@@ -42,12 +42,6 @@ using cuda::CudaKvCache;
 using cuda::KvPagePool;
 using cuda::PromptAttention;
 
-#ifdef TIERMOE_PDL_DEEP
-constexpr bool kPdlDeep = true;  // dependent_launch.cuh
-#else
-constexpr bool kPdlDeep = false;
-#endif
-
 #define CUBLAS_CK(expr)                                                                                  \
   do {                                                                                                   \
     const cublasStatus_t st_ = (expr);                                                                   \
@@ -835,18 +829,17 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
     const DLayer& L = layers_[l];
     const bool route_in_oproj = router_in_oproj(L, T);
     if (gemv_for(T, D)) {  // the attention norm folded into the q/k/v GEMV
-      // TIERMOE_PDL_DEEP: layer 0's as a plain launch, so that it starts once embed has finished and
-      // the positions embed copies are in place for the kernels after it, which read them before
+      // Layer 0's first kernel as a plain launch: it starts once embed has finished, so the
+      // positions embed copies are in place for the kernels after it, which read them before
       // their waits (dependent_launch.cuh).
-      const bool plain = kPdlDeep && l == 0 && cuda::programmatic_launch();
-      if (plain) cuda::set_programmatic_launch(false);
-      const cudaError_t e = cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_,
-                                        L.attn_norm, eps, route_in_oproj ? route_acc_ : nullptr,
-                                        route_in_oproj ? T * cfg_.num_experts : 0);
-      if (plain) cuda::set_programmatic_launch(true);
-      CUDA_CK(e);
+      const cuda::PlainLaunches plain(l == 0);
+      CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_, L.attn_norm,
+                          eps, route_in_oproj ? route_acc_ : nullptr, route_in_oproj ? T * cfg_.num_experts : 0));
     } else {
-      CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
+      {
+        const cuda::PlainLaunches plain(l == 0);  // as above
+        CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
+      }
       linear(q_, h_, L.q, T, false);
       linear(k_, h_, L.k, T, false);
       linear(v_, h_, L.v, T, false);

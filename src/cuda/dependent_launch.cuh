@@ -4,19 +4,15 @@
 // next kernel's blocks start early, load their first weights (which no kernel writes) and wait
 // for the previous kernel's results. Off unless set_programmatic_launch(true).
 // Every kernel launched with launch() must wait (pdl_start() or pdl_wait()) before it reads or
-// writes memory that another kernel of the stream touches. By default pdl_start() waits and then
-// lets the next kernel start: one kernel of look-ahead, so a kernel's code before its wait may read
-// what the kernel two back wrote.
-// TIERMOE_PDL_DEEP (CMake option, off; built 2026-12-06, not yet run on a GPU): pdl_start() lets
-// the next kernel start first, so a chain of grids can be resident and loading weights at once (a
-// probe of that order everywhere, with none of the care below: -2.6% to -3.6% per token, H100,
-// docs/benchmarks.md "Deeper look-ahead"). What it asks of every kernel: before its wait it reads
-// only what no kernel of the pass writes (weights, K/V rows of earlier passes, and the positions
-// and page tables, which are in place before the first layer's q/k/v projection, then a plain
-// launch, starts), since any earlier kernel may still run. The one kernel that reads more is the
-// expert down projection (the experts and residual of the o projection, two kernels back), so the
-// gate/up kernels before it call pdl_wait() and then pdl_launch_dependents() in either build (as
-// do the grouped MoE kernels of decode batches, left as they were).
+// writes memory that another kernel of the stream touches. pdl_start() lets the next kernel start
+// before it waits itself, so a chain of grids can be resident and loading weights at once (-2.7%
+// to -3.7% per token against waiting first, H100, docs/benchmarks.md "Deeper look-ahead"). What
+// that asks of every kernel: before its wait it reads only what no kernel of the pass writes
+// (weights, K/V rows of earlier passes, and the positions and page tables, which are in place
+// before the first layer's q/k/v projection, a plain launch, starts), since any earlier kernel may
+// still run. The one kernel that reads more is the expert down projection (the experts and
+// residual of the o projection, two kernels back), so the gate/up kernels before it call
+// pdl_wait() and then pdl_launch_dependents() (as do the grouped MoE kernels of decode batches).
 #pragma once
 #include <utility>
 
@@ -40,15 +36,10 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 // Waits until the previous kernel of the stream has finished and its writes are visible; returns
 // at once for a kernel launched without the attribute.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-// The wait and the next kernel's start, in the build's order (the header's rule).
+// The next kernel's start, then the wait (the header's rule).
 __device__ __forceinline__ void pdl_start() {
-#ifdef TIERMOE_PDL_DEEP
   pdl_launch_dependents();
   pdl_wait();
-#else
-  pdl_wait();
-  pdl_launch_dependents();
-#endif
 }
 
 // A launch of clusters of `cluster` blocks along x (gridDim.x a multiple of it), programmatic when on.

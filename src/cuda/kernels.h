@@ -59,6 +59,18 @@ struct KvPages {  // one sequence in one layer's pool, or (tables) one token of 
 // the CUDA backend turns it on (TIERMOE_CUDA_PDL=0 keeps it off).
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
+// Launches made while one lives (made with `on`) are plain: each starts once the stream's earlier
+// work has finished.
+class PlainLaunches {
+ public:
+  explicit PlainLaunches(bool on) : was_(programmatic_launch()) { set_programmatic_launch(was_ && !on); }
+  ~PlainLaunches() { set_programmatic_launch(was_); }
+  PlainLaunches(const PlainLaunches&) = delete;
+  PlainLaunches& operator=(const PlainLaunches&) = delete;
+
+ private:
+  bool was_;
+};
 // The GEMV-style kernels (gemv, gemv3, moe_route) stage their input x once per block in shared
 // memory where T * K <= 4096 (on by default); off: every warp reads x (and the norm weights) itself.
 void set_gemv_stage(bool on);

@@ -154,8 +154,12 @@ void check_kv_fp8_writes() {
 // kernel's error grows with them: its Q in BF16 hi + lo is 2^-17 relative).
 void check_attention_fp8() {
   struct C { int T, past, H, Hkv, Dh; };
-  // Tolerance 2e-5, not the BF16 cases' 1e-5: measured up to 1.2e-5 (H100, 2026-12-05: the per-head
-  // kernel over 3000 rows of 2^-8 .. 2^8, the keys form at G = 8, Dh 64 over 2000), FP32 sums of as many terms.
+  // Tolerance 2e-5, not the BF16 cases' 1e-5: measured up to 1.2e-5 (H100, 2026-12-05: the keys form
+  // at G = 8, Dh 64 over 2000), FP32 sums of as many terms. The decode case over 3000 rows of 2^-8 ..
+  // 2^8 gets 5e-5: there a row's score error moves its softmax weight by as much, relative, and the
+  // CPU's FP32 result alone is up to 1.7e-5 from a double one (median 3.5e-6, 40 draws of that
+  // case, 2026-12-06); the kernel's, summed in another order, measured 2.5e-5 from the CPU's on one
+  // draw (H100, the default and the look-ahead builds alike), 2.6e-6 and 6.5e-6 on two others.
   auto one = [&](C c, auto run, int spread = 2, double tol = 2e-5) {  // queries scaled down as the rows grow: scores alike
     const int n = c.past + c.T;
     auto q = randn(size_t(c.T) * c.H * c.Dh, std::ldexp(0.125f, 2 - spread)), k = kv_rows(n, c.Hkv, c.Dh, spread),
@@ -207,7 +211,7 @@ void check_attention_fp8() {
         CK(cudaMemset(cnt.p, 0, cnt.n * sizeof(unsigned)));
         CK(cu::attention_decode(out.p, q, kv, nullptr, nullptr, pos, c.T, c.H, c.Hkv, c.Dh, n_splits, part.p, cnt.p, 0));
         return fmt("attention_decode (per-head mode %d, %d splits)", mode, n_splits);
-      }, c.past == 3000 ? 8 : 2);
+      }, c.past == 3000 ? 8 : 2, c.past == 3000 ? 5e-5 : 2e-5);
   }
   cu::set_attention_decode_per_head(1);
   {  // new rows given beside FP8 pages: refused (they must be quantized into the pool first)
