@@ -42,7 +42,7 @@ C=${CHECK_BIN:-./build-gpu/tiermoe_cuda_check}
 tree_variants=()
 if [ "$MODE" = trees ]; then  # each overlay in trees/ (scripts/export_tree.sh) is this tree with its files:
   # built beside this one's build, in /tmp/tiermoe-tree-LABEL, with the CMake arguments in its
-  # .cmake_args if it has one (e.g. an overlay of no files and -DTIERMOE_PDL_DEEP=ON)
+  # .cmake_args if it has one (e.g. an overlay of no files and a build option, to time the option against this build)
   for d in trees/*/; do
     label=$(basename "$d"); t=/tmp/tiermoe-tree-$label
     rm -rf "$t" && mkdir -p "$t" && cp -r src tests "$t"/ && cp -r "$d". "$t"/ || exit 1
