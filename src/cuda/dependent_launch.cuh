@@ -5,14 +5,15 @@
 // for the previous kernel's results. Off unless set_programmatic_launch(true).
 // Every kernel launched with launch() must wait (pdl_start() or pdl_wait()) before it reads or
 // writes memory that another kernel of the stream touches. pdl_start() lets the next kernel start
-// before it waits itself, so a chain of grids can be resident and loading weights at once (-2.7%
-// to -3.7% per token against waiting first, H100, docs/benchmarks.md "Deeper look-ahead"). What
-// that asks of every kernel: before its wait it reads only what no kernel of the pass writes
-// (weights, K/V rows of earlier passes, and the positions and page tables, which are in place
-// before the first layer's q/k/v projection, a plain launch, starts), since any earlier kernel may
-// still run. The one kernel that reads more is the expert down projection (the experts and
-// residual of the o projection, two kernels back), so the gate/up kernels before it call
-// pdl_wait() and then pdl_launch_dependents() (as do the grouped MoE kernels of decode batches).
+// before it waits itself, so a chain of grids can be resident and loading weights at once (-0.6%
+// to -3.6% per token against waiting first, H200, docs/benchmarks.md "Deeper look-ahead"). What
+// that asks of every kernel: before its wait it stores nothing to global memory and reads only
+// what no kernel of the pass writes (weights, K/V rows of earlier passes, and the positions and
+// page tables, which are in place before the first layer's q/k/v projection, a plain launch,
+// starts), since any earlier kernel may still run. The one kernel that reads more is the expert
+// down projection (the experts and residual of the o projection, two kernels back), so the gate/up
+// kernels before it call pdl_wait() and then pdl_launch_dependents() (as do the grouped MoE
+// kernels of decode batches).
 #pragma once
 #include <utility>
 
