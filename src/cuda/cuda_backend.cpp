@@ -835,7 +835,7 @@ void CudaBackend::run_layers(const std::vector<Piece>& pieces, int T, int n_logi
       const cuda::PlainLaunches plain(l == 0);
       CUDA_CK(cuda::gemv3(q_, L.q.w, L.q.out, k_, L.k.w, L.k.out, v_, L.v.w, L.v.out, x_, T, D, stream_, L.attn_norm,
                           eps, route_in_oproj ? route_acc_ : nullptr, route_in_oproj ? T * cfg_.num_experts : 0));
-    } else {  // rmsnorm is a plain launch (as above)
+    } else {  // rmsnorm, the first kernel on this path, is a plain launch already
       CUDA_CK(cuda::rmsnorm(h_, x_, L.attn_norm, T, D, eps, stream_));
       linear(q_, h_, L.q, T, false);
       linear(k_, h_, L.k, T, false);
