@@ -173,7 +173,7 @@ for line in open(sys.argv[1]):
     print(f"{j['config']:30s} {j.get('variant', ''):14s} B={j['batch']:2d} ctx {j['prompt_tokens']}  step p50 {j['ms_per_token_p50']:.3f} ms  p99 {j['ms_per_token_p99']:.3f}  {j['tokens_per_s']:.0f} tokens/s  ttft {j['ttft_ms']:.1f} ms")
 PY
 }
-# `bench` of each row ("config ctx gen repeats", rows separated by ';') under each variant ("label
+# `bench` of each row ("config ctx gen repeats [batch]", rows separated by ';') under each variant ("label
 # [BIN=path] [VAR=value ...]": this build, or BIN, with those variables), ROUNDS rounds interleaved,
 # into $OUT/NAME.jsonl with the label as "variant"; then the table.
 bench_variants() {  # NAME ROWS ROUNDS VARIANT...
@@ -189,7 +189,7 @@ bench_variants() {  # NAME ROWS ROUNDS VARIANT...
         for w in "${words[@]:1}"; do if [[ $w == BIN=* ]]; then bin=${w#BIN=}; else envs+=("$w"); fi; done
         log "$name ${cfg[0]} ctx=${cfg[1]} ${words[*]} round $round"
         timeout ${BENCH_S:-90} env "${envs[@]}" "$bin" bench --config "configs/${cfg[0]}" --ctx "${cfg[1]}" --gen "${cfg[2]}" \
-          --repeats "${cfg[3]}" | sed "s/^{/{\"variant\":\"${words[0]}\",/" >> "$OUT/$name.jsonl"
+          --repeats "${cfg[3]}" --batch "${cfg[4]:-1}" | sed "s/^{/{\"variant\":\"${words[0]}\",/" >> "$OUT/$name.jsonl"
       done
     done
   done
@@ -235,8 +235,8 @@ if [ "$MODE" = fp8 ]; then  # FP8 KV pages: their kernel checks, the FP8 model v
   exit 0
 fi
 if [ "$MODE" = trees ]; then  # this build against the overlays' builds: TREE_CHECKS kernel groups in each
-  # overlay's build (';'-separated, default none), then ENV_ROWS timed under "this" and each label,
-  # ENV_ROUNDS rounds
+  # overlay's build (';'-separated, default none), then ENV_ROWS ("config ctx gen repeats [batch]")
+  # timed under "this" and each label, ENV_ROUNDS rounds
   wait  # the overlays' builds
   IFS=';' read -ra tree_checks <<< "${TREE_CHECKS:-}"
   for v in "${tree_variants[@]}"; do
@@ -247,8 +247,18 @@ if [ "$MODE" = trees ]; then  # this build against the overlays' builds: TREE_CH
       echo "$label $g: $(grep -E '^==.*cases' "$OUT/check_${label}_$g.txt" | tail -1)"; grep -m3 '^FAIL' "$OUT/check_${label}_$g.txt"
     done
   done
+  # TREE_ENVS: "name VAR=value ..." entries separated by ';': every build under each, labelled LABEL-name
+  IFS=';' read -ra tree_envs <<< "${TREE_ENVS:-}"
+  [ ${#tree_envs[@]} -gt 0 ] || tree_envs=("")
+  tree_runs=()
+  for e in "${tree_envs[@]}"; do
+    read -ra ew <<< "$e"
+    suffix=${ew[0]:+-${ew[0]}} vars="${ew[*]:1}"
+    tree_runs+=("this$suffix $vars")
+    for v in "${tree_variants[@]}"; do tree_runs+=("${v%% *}$suffix ${v#* } $vars"); done
+  done
   bench_variants trees "${ENV_ROWS:-olmoe-1b-7b-v8192.json 16 128 3;qwen3-30b-a3b-L16-v8192.json 16 128 3}" "${ENV_ROUNDS:-2}" \
-    this "${tree_variants[@]}"
+    "${tree_runs[@]}"
   exit 0
 fi
 if [ "$MODE" = envs ]; then  # batch-1 benchmarks of this build under environment variants, interleaved
