@@ -189,7 +189,7 @@ bench_variants() {  # NAME ROWS ROUNDS VARIANT...
         for w in "${words[@]:1}"; do if [[ $w == BIN=* ]]; then bin=${w#BIN=}; else envs+=("$w"); fi; done
         log "$name ${cfg[0]} ctx=${cfg[1]} ${words[*]} round $round"
         timeout ${BENCH_S:-90} env "${envs[@]}" "$bin" bench --config "configs/${cfg[0]}" --ctx "${cfg[1]}" --gen "${cfg[2]}" \
-          --repeats "${cfg[3]}" --batch "${cfg[4]:-1}" | sed "s/^{/{\"variant\":\"${words[0]}\",/" >> "$OUT/$name.jsonl"
+          --repeats "${cfg[3]}" ${cfg[4]:+--batch "${cfg[4]}"} | sed "s/^{/{\"variant\":\"${words[0]}\",/" >> "$OUT/$name.jsonl"
       done
     done
   done
