@@ -235,11 +235,11 @@ if [ "$MODE" = fp8 ]; then  # FP8 KV pages: their kernel checks, the FP8 model v
   exit 0
 fi
 if [ "$MODE" = trees ]; then  # this build against the overlays' builds: TREE_CHECKS kernel groups in each
-  # overlay's build (';'-separated, default none), then ENV_ROWS ("config ctx gen repeats [batch]")
+  # build, this one's first (';'-separated, default none), then ENV_ROWS ("config ctx gen repeats [batch]")
   # timed under "this" and each label, ENV_ROUNDS rounds
   wait  # the overlays' builds
   IFS=';' read -ra tree_checks <<< "${TREE_CHECKS:-}"
-  for v in "${tree_variants[@]}"; do
+  for v in "this BIN=$C" "${tree_variants[@]}"; do
     label=${v%% *} bin=${v#*BIN=}
     [ -x "$bin" ] || { echo "trees: $label has no binary"; exit 1; }
     for g in "${tree_checks[@]}"; do
