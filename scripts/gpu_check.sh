@@ -40,17 +40,19 @@ log unpack; scripts/unpack_model.sh
 if [ -n "${CHECK_XZ:-}" ]; then mkdir -p build-gpu && xz -dc "$CHECK_XZ" > build-gpu/tiermoe_cuda_check && chmod +x build-gpu/tiermoe_cuda_check; fi
 C=${CHECK_BIN:-./build-gpu/tiermoe_cuda_check}
 tree_variants=()
-if [ "$MODE" = trees ]; then  # each overlay in trees/ (scripts/export_tree.sh) is this tree with its files:
-  # built beside this one's build, in /tmp/tiermoe-tree-LABEL, with the CMake arguments in its
-  # .cmake_args if it has one (e.g. an overlay of no files and a build option, to time the option against this build)
+if [ "$MODE" = trees ]; then  # each overlay in trees/ (scripts/export_tree.sh) is this tree with its files.
+  # One with CMake arguments in its .cmake_args (e.g. no files and a build option, to time the option
+  # against this build) is built beside this one's build, in /tmp/tiermoe-tree-LABEL; the others
+  # incrementally in build-gpu, once this tree is built there (below): only the files they change recompile.
   for d in trees/*/; do
     label=$(basename "$d"); t=/tmp/tiermoe-tree-$label
+    tree_variants+=("$label BIN=$t/build/tiermoe_cuda_check")
+    [ -f "$d.cmake_args" ] || continue
     rm -rf "$t" && mkdir -p "$t" && cp -r src tests "$t"/ && cp -r "$d". "$t"/ || exit 1
     while IFS= read -r f; do [ -n "$f" ] && rm -f "$t/$f"; done < "$d.deleted"
-    read -ra extra <<< "$(cat "$d.cmake_args" 2> /dev/null)"
+    read -ra extra <<< "$(cat "$d.cmake_args")"
     ( cmake -S "$t/tests/cuda" -B "$t/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD "${extra[@]}" > "$t/build.log" 2>&1 &&
       cmake --build "$t/build" -j8 --target tiermoe_cuda_check >> "$t/build.log" 2>&1 || { echo "trees: $label did not build"; tail -20 "$t/build.log"; } ) &
-    tree_variants+=("$label BIN=$t/build/tiermoe_cuda_check")
   done
   [ ${#tree_variants[@]} -gt 0 ] || { echo "trees: no overlay in trees/ (scripts/export_tree.sh REF LABEL; carry trees)"; exit 2; }
 fi
@@ -58,6 +60,24 @@ if [ ! -x $C ]; then
   log build
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+if [ "$MODE" = trees ]; then  # the source overlays: each laid over this tree, built in build-gpu, its binary
+  # copied out, this tree's files put back (touched, so a later build recompiles them) and this binary restored
+  cp "$C" /tmp/tiermoe-this || exit 1
+  for d in trees/*/; do
+    label=$(basename "$d"); t=/tmp/tiermoe-tree-$label
+    [ -f "$d.cmake_args" ] && continue
+    log "build overlay $label"; b=$(mktemp -d)
+    mapfile -t files < <(cd "$d" && find . -type f ! -name .deleted | sed 's|^\./||'; grep -v '^$' .deleted)
+    for f in "${files[@]}"; do [ -f "$f" ] && mkdir -p "$b/$(dirname "$f")" && cp "$f" "$b/$f"; done
+    for f in "${files[@]}"; do if [ -f "$d$f" ]; then mkdir -p "$(dirname "$f")" && cp "$d$f" "$f" && touch "$f"; else rm -f "$f"; fi; done
+    mkdir -p "$t/build"
+    cmake --build build-gpu -j16 --target tiermoe_cuda_check > "$OUT/build_$label.log" 2>&1 && cp "$C" "$t/build/" ||
+      { echo "trees: $label did not build"; tail -20 "$OUT/build_$label.log"; }
+    for f in "${files[@]}"; do if [ -f "$b/$f" ]; then cp "$b/$f" "$f" && touch "$f"; else rm -f "$f"; fi; done
+    rm -rf "$b"
+  done
+  cp /tmp/tiermoe-this "$C"
 fi
 if [ "$MODE" = sanitize ]; then  # no check first: each SAN_JOBS entry "tool group N:M [word ...]" is one process
   # (TIERMOE_CHECK_SKIP=N:M: the group's cases N .. M-1; VAR=value words go to its environment, e.g.
