@@ -67,6 +67,70 @@ struct NewRow {
   }
 };
 
+constexpr int kTileElems = 8192;  // BF16 values per K (and per V) tile: 16 KB each
+constexpr int kMaxTile = 128;     // keys per tile at most
+__host__ __device__ constexpr int tile_keys(int dh) { return kTileElems / dh < kMaxTile ? kTileElems / dh : kMaxTile; }
+constexpr int kThreads = kWarpsPerBlock * 32;
+
+// FP8 pages in the tiled kernel below: rather than each row's codes loaded into registers,
+// dequantized and stored (a few rows' loads in flight per thread, then a stall), a tile's codes come
+// in by 16-byte cp.async as BF16 rows do -- the whole tile in flight at once -- into the upper half
+// of each BF16 tile (tile keys x Dh bytes <= 8 KB), and each row's exponent's 16-byte block
+// (cp.async takes no single byte) into the lower half; dequantize_fp8_rows then reads them all into
+// registers, meets a barrier and writes the BF16 rows in place. L2 only (.cg), as load_fp8x8.
+// A thread's chunks of 16 codes: ch = threadIdx.x + m kThreads, row ch / (Dh / 16).
+__host__ __device__ constexpr int fp8_chunks_per_thread(int dh) { return (tile_keys(dh) * (dh / 16) + kThreads - 1) / kThreads; }
+constexpr int kFp8RawOffset = kTileElems;  // bytes: the upper half of a 16 KB BF16 tile
+static_assert(kMaxTile <= kThreads && kMaxTile * 16 <= kFp8RawOffset, "a thread per row's exponent blocks, below the codes");
+template <int Dh>
+__device__ __forceinline__ void fetch_fp8_rows(uint4* ktile, uint4* vtile, const KvFp8& fp8, const int32_t* table,
+                                               size_t row, int kvh, int t0, int from, int to) {
+  constexpr int CPR = Dh / 16, M = fp8_chunks_per_thread(Dh);
+  uint8_t *kb = reinterpret_cast<uint8_t*>(ktile), *vb = reinterpret_cast<uint8_t*>(vtile);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int ch = threadIdx.x + m * kThreads, r = ch / CPR, c = (ch % CPR) * 16;
+    if (r < from || r >= to) continue;
+    const size_t off = kv_row(table, t0 + r) * row + size_t(kvh) * Dh + c;
+    cp_async16(kb + kFp8RawOffset + r * Dh + c, fp8.k + off, true);
+    cp_async16(vb + kFp8RawOffset + r * Dh + c, fp8.v + off, true);
+  }
+  const int r = threadIdx.x;  // row r's exponent blocks (tile_keys <= kThreads)
+  if (r >= from && r < to) {
+    const size_t e = kv_row(table, t0 + r) * (row / Dh) + kvh;
+    const int8_t *ke = fp8.k_exp + e, *ve = fp8.v_exp + e;
+    cp_async16(kb + r * 16, fp8_exp_block(ke), true);
+    cp_async16(vb + r * 16, fp8_exp_block(ve), true);
+  }
+}
+// One tile's rows [0, nk) (K or V, exponents `exps`), fetched by fetch_fp8_rows and seen by every
+// thread (after the wait and a barrier), dequantized in place, a barrier after: the reads, a
+// barrier, the writes (fp8_exp_byte: no page-table read). K and V one after the other: both at
+// once took the G = 1 kernel from 80 registers to 168.
+template <int Dh>
+__device__ __forceinline__ void dequantize_fp8_rows(uint4* tile, const int8_t* exps, int Hkv, int kvh, int t0, int nk) {
+  constexpr int CPR = Dh / 16, M = fp8_chunks_per_thread(Dh), L = Dh / 8;
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(tile);
+  uint4 codes[M];
+  int e[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int ch = threadIdx.x + m * kThreads, r = ch / CPR, c = (ch % CPR) * 16;
+    if (r >= nk) continue;
+    codes[m] = *reinterpret_cast<const uint4*>(b + kFp8RawOffset + r * Dh + c);
+    e[m] = int8_t(b[r * 16 + fp8_exp_byte(exps, (t0 + r) % kKvPageRows, Hkv, kvh)]);
+  }
+  __syncthreads();  // every raw byte read before any BF16 row overwrites it
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int ch = threadIdx.x + m * kThreads, r = ch / CPR, i = r * L + 2 * (ch % CPR);
+    if (r >= nk) continue;
+    tile[i] = fp8x8_to_bf16x8(make_uint2(codes[m].x, codes[m].y), e[m]);
+    tile[i + 1] = fp8x8_to_bf16x8(make_uint2(codes[m].z, codes[m].w), e[m]);
+  }
+  __syncthreads();
+}
+
 // grid (Hkv * HG, n_splits, T), kWarpsPerBlock warps. GM >= G query heads per block (H / Hkv / HG). Dh = 8 * L with
 // L lanes per key, L in {2, 4, 8, 16, 32}: a template argument, so that the tile's index arithmetic
 // is shifts and masks (the kernel issues about one instruction per 10 cycles per warp: it is bound by
@@ -76,10 +140,6 @@ struct NewRow {
 // (one memory round trip), then three phases with independent work for every thread: (A) the
 // scores of all G heads for every key of the tile, (B) per head the tile's max, exp and sum (online
 // softmax across tiles), (C) P V: a thread owns 8 dims of one head for a subset of the keys.
-constexpr int kTileElems = 8192;  // BF16 values per K (and per V) tile: 16 KB each
-constexpr int kMaxTile = 128;     // keys per tile at most
-__host__ __device__ constexpr int tile_keys(int dh) { return kTileElems / dh < kMaxTile ? kTileElems / dh : kMaxTile; }
-constexpr int kThreads = kWarpsPerBlock * 32;
 
 template <int GM, int Dh, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
@@ -109,15 +169,15 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
   // One array, so that the merge at the end can stage the splits' rows in both tiles' space.
   __shared__ __align__(16) uint4 kvtile[2 * kTileElems / 8];
   uint4 *ktile = kvtile, *vtile = kvtile + kTileElems / 8;
-  // Cache rows [t0 + from, t0 + to) -> the tile's rows [from, to): by cp.async, or FP8 rows dequantized.
+  // Cache rows [t0 + from, t0 + to) -> the tile's rows [from, to): by cp.async; FP8 pages as raw
+  // codes and exponent blocks, dequantized by dequantize_fp8_rows once the whole tile is in.
   auto load_rows = [&](int t0, int from, int to) {
+    if constexpr (FP8) {
+      fetch_fp8_rows<Dh>(ktile, vtile, fp8, table, row, kvh, t0, from, to);
+    } else {
 #pragma unroll kUnroll
-    for (int i = from * L + threadIdx.x; i < to * L; i += kThreads) {  // unrolled: the page-table reads overlap
-      const size_t off = kv_row(table, t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
-      if constexpr (FP8) {
-        ktile[i] = load_fp8x8(fp8.k, fp8.k_exp, off, Dh);
-        vtile[i] = load_fp8x8(fp8.v, fp8.v_exp, off, Dh);
-      } else {
+      for (int i = from * L + threadIdx.x; i < to * L; i += kThreads) {  // unrolled: the page-table reads overlap
+        const size_t off = kv_row(table, t0 + i / L) * row + size_t(kvh) * Dh + (i % L) * 8;
         cp_async16(&ktile[i], kc + off, true);
         cp_async16(&vtile[i], vc + off, true);
       }
@@ -175,6 +235,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
     cp_async_commit();  // the whole tile in flight at once, one wait
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (FP8) {
+      dequantize_fp8_rows<Dh>(ktile, fp8.k_exp, int(row / Dh), kvh, t0, nk);
+      dequantize_fp8_rows<Dh>(vtile, fp8.v_exp, int(row / Dh), kvh, t0, nk);
+    }
     // (A) scores: L lanes per key, all heads at once (independent shuffle chains; unrolled, so that
     // several keys' chains are in flight).
 #pragma unroll kUnroll

@@ -138,55 +138,86 @@ struct TileShare {
   }
 };
 
-// FP8 rows of one K/V tile as a thread fetches them (codes and exponents in registers), stored
-// dequantized later: the keys form fetches tile it + 1 before tile it's products and stores it after
-// them, so the loads stay in flight during the products as BF16 pages' cp.async do (a fetch stored
-// at once stalls the block on every tile: the Qwen3 16-layer shape at 4096 keys took 1.44 ms per
-// token on FP8 pages against 1.05 on BF16, H100, 2026-12-05).
+// FP8 pages: a tile's codes, and per row the 16-byte block holding its exponent, come into a raw
+// area of shared memory by 16-byte cp.async (L2 only, as load_fp8_codes8: no stale L1 line of a row
+// the kernel before may still be writing) one tile ahead, and are dequantized into the tile's BF16
+// stage after the products of the tile before (store_fp8_tile). So the loads stay in flight during
+// the products, as BF16 pages' cp.async do, and hold no registers. Dequantized at once, a fetch
+// stalled the block on every tile (the Qwen3 16-layer shape at 4096 keys: 1.44 ms per token on FP8
+// pages against 1.05 on BF16, H100, 2026-12-05); held in registers across the products, the codes
+// took the keys form from 138 to 177 registers and left the row form (254) none.
+// Raw area: K codes [kTileK][DH], V codes [kTileK][DH], then two sets (by tile parity) of
+// [2 kTileK][kExpBlock]: row r's K exponent block at r, its V's at kTileK + r. A thread dequantizes
+// the code chunks it copied itself; the exponent blocks are shared by a row's threads, hence two
+// sets: the next tile's copies may start while a slower thread still reads this tile's.
+constexpr int kExpBlock = 16;  // fp8_exp_block's bytes
+__host__ __device__ constexpr int fp8_raw_bytes(int dh) { return 2 * kTileK * dh + 2 * 2 * kTileK * kExpBlock; }
 template <int DH>
-struct Fp8Tile {
-  static constexpr int J = TileShare<DH>::J;
-  uint2 k[J], v[J];
-  int ke[J], ve[J];
-  int rows;  // of the tile, those below k_end (the rest stored as zeros)
+struct Fp8Share {  // a thread's chunks of 16 codes: rows r0 + j RS, codes c .. c + 15
+  static constexpr int CH = DH / 16, RS = kThreads / CH, J = kTileK / RS;
+  static_assert(kThreads % CH == 0 && kTileK % RS == 0 && kThreads == 2 * kTileK, "one exponent block per thread");
+  int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 16;
 };
-template <int DH>
-__device__ __forceinline__ void fetch_fp8_tile(Fp8Tile<DH>& f, const KvPages& kv, int Hkv, int kvh, int k0, int k_end) {
-  const TileShare<DH> ts;
-  f.rows = min(kTileK, k_end - k0);
-  const size_t stride = size_t(Hkv) * DH, first = ts.first(kv, Hkv, kvh, k0);
-#pragma unroll
-  for (int j = 0; j < ts.J; ++j) {  // rows past k_end read the last valid one (a valid address), stored as zeros
-    const size_t off = first + size_t(min(ts.r0 + j * ts.RS, f.rows - 1)) * stride;
-    f.k[j] = load_fp8_codes8(kv.fp8.k, off), f.ke[j] = load_fp8_exp(kv.fp8.k_exp, off, DH);
-    f.v[j] = load_fp8_codes8(kv.fp8.v, off), f.ve[j] = load_fp8_exp(kv.fp8.v_exp, off, DH);
-  }
+__device__ __forceinline__ uint8_t* fp8_exp_set(uint8_t* raw, int dh, int set) {
+  return raw + 2 * kTileK * dh + set * 2 * kTileK * kExpBlock;
 }
+// Keys [k0, k0 + kTileK) of KV head kvh's FP8 rows (those below k_end; the rest read the last valid
+// row, a valid address, and are stored as zeros) into raw, exponents into set `set`; one commit group.
 template <int DH>
-__device__ __forceinline__ void store_fp8_tile(const Fp8Tile<DH>& f, __nv_bfloat16* ks, __nv_bfloat16* vs, int stage) {
+__device__ __forceinline__ void fetch_fp8_tile(uint8_t* raw, int set, const KvPages& kv, int Hkv, int kvh, int k0,
+                                               int k_end) {
+  const Fp8Share<DH> fs;
+  const int rows = min(kTileK, k_end - k0);
+  const size_t stride = size_t(Hkv) * DH;
+  const size_t first = (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH;
+#pragma unroll
+  for (int j = 0; j < fs.J; ++j) {
+    const int r = fs.r0 + j * fs.RS;
+    const size_t off = first + size_t(min(r, rows - 1)) * stride + fs.c;
+    cp_async16(raw + r * DH + fs.c, kv.fp8.k + off, true);
+    cp_async16(raw + (kTileK + r) * DH + fs.c, kv.fp8.v + off, true);
+  }
+  const int r = threadIdx.x % kTileK;  // thread r copies row r's K exponent block, thread kTileK + r its V's
+  const int8_t* e = (threadIdx.x < kTileK ? kv.fp8.k_exp : kv.fp8.v_exp) + (first + size_t(min(r, rows - 1)) * stride) / DH;
+  cp_async16(fp8_exp_set(raw, DH, set) + threadIdx.x * kExpBlock, fp8_exp_block(e), true);
+  cp_async_commit();
+}
+// The thread's chunks of a fetched tile (its copies complete: cp_async_wait; the exponent blocks
+// visible: a barrier after every thread's wait), dequantized into stage `stage` of ks / vs.
+template <int DH>
+__device__ __forceinline__ void store_fp8_tile(const uint8_t* raw, int set, __nv_bfloat16* ks, __nv_bfloat16* vs,
+                                               int stage, const KvPages& kv, int Hkv, int kvh, int k0, int k_end) {
   constexpr int LD = smem_ld(DH);
-  const TileShare<DH> ts;
+  const Fp8Share<DH> fs;
+  const int rows = min(kTileK, k_end - k0);
+  const uint8_t* eb = fp8_exp_set(const_cast<uint8_t*>(raw), DH, set);
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
-  for (int j = 0; j < ts.J; ++j) {
-    const int r = ts.r0 + j * ts.RS, at = (stage * kTileK + r) * LD + ts.c;
-    *reinterpret_cast<uint4*>(ks + at) = r < f.rows ? fp8x8_to_bf16x8(f.k[j], f.ke[j]) : zero;
-    *reinterpret_cast<uint4*>(vs + at) = r < f.rows ? fp8x8_to_bf16x8(f.v[j], f.ve[j]) : zero;
+  for (int j = 0; j < fs.J; ++j) {
+    const int r = fs.r0 + j * fs.RS, at = (stage * kTileK + r) * LD + fs.c;
+    uint4 k[2] = {zero, zero}, v[2] = {zero, zero};
+    if (r < rows) {
+      const int ke = int8_t(eb[r * kExpBlock + fp8_exp_byte(kv.fp8.k_exp, r, Hkv, kvh)]);  // a tile is a page
+      const int ve = int8_t(eb[(kTileK + r) * kExpBlock + fp8_exp_byte(kv.fp8.v_exp, r, Hkv, kvh)]);
+      const uint4 kc = *reinterpret_cast<const uint4*>(raw + r * DH + fs.c);
+      const uint4 vc = *reinterpret_cast<const uint4*>(raw + (kTileK + r) * DH + fs.c);
+      k[0] = fp8x8_to_bf16x8(make_uint2(kc.x, kc.y), ke), k[1] = fp8x8_to_bf16x8(make_uint2(kc.z, kc.w), ke);
+      v[0] = fp8x8_to_bf16x8(make_uint2(vc.x, vc.y), ve), v[1] = fp8x8_to_bf16x8(make_uint2(vc.z, vc.w), ve);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      *reinterpret_cast<uint4*>(ks + at + 8 * h) = k[h];
+      *reinterpret_cast<uint4*>(vs + at + 8 * h) = v[h];
+    }
   }
 }
 
 // Keys [k0, k0 + kTileK) of KV head kvh, those below k_end, into stage `stage` of ks / vs (rows of
-// smem_ld(DH)), by 16-byte cp.async (zeros past k_end), one commit group; FP8 rows fetched and
-// stored dequantized at once. All threads of the block.
-template <int DH, bool FP8>
+// smem_ld(DH)), by 16-byte cp.async (zeros past k_end), one commit group. BF16 pages; FP8 pages:
+// fetch_fp8_tile then store_fp8_tile. All threads of the block.
+template <int DH>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv, int Hkv,
                                              int kvh, int k0, int k_end, int stage) {
-  if constexpr (FP8) {
-    Fp8Tile<DH> f;
-    fetch_fp8_tile<DH>(f, kv, Hkv, kvh, k0, k_end);
-    store_fp8_tile<DH>(f, ks, vs, stage);
-    return;
-  }
   constexpr int LD = smem_ld(DH);
   const TileShare<DH> ts;
   const int rows = min(kTileK, k_end - k0);
@@ -212,19 +243,44 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* v
   cp_async_commit();
 }
 
+// Tile `tile` of a block's keys (its first is first_tile) on its way into stage `stage`: BF16
+// pages by cp.async straight into the stage; FP8 pages into raw (exponent set tile & 1), dequantized
+// by finish_tile. All threads.
+template <int DH, bool FP8>
+__device__ __forceinline__ void issue_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, uint8_t* raw, const KvPages& kv,
+                                           int Hkv, int kvh, int first_tile, int tile, int k_end, int stage) {
+  if constexpr (FP8) fetch_fp8_tile<DH>(raw, tile & 1, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end);
+  else load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
+}
+// The end of iteration it of the tile loop: stage it & 1 consumed (a barrier) before the next
+// iteration's loads overwrite it; FP8 pages: tile it + 1, issued at iteration it's start, waited for
+// (its exponent blocks seen after the barrier) and dequantized into its stage, which await_tile's
+// barrier then makes visible. All threads.
+template <int DH, bool FP8>
+__device__ __forceinline__ void finish_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, uint8_t* raw, const KvPages& kv,
+                                            int Hkv, int kvh, int first_tile, int it, int n_tiles, int k_end) {
+  const bool fp8_next = FP8 && it + 1 < n_tiles;
+  if (fp8_next) cp_async_wait<0>();
+  __syncthreads();
+  if constexpr (FP8)
+    if (fp8_next)
+      store_fp8_tile<DH>(raw, (it + 1) & 1, ks, vs, (it + 1) & 1, kv, Hkv, kvh, (first_tile + it + 1) * kTileK, k_end);
+}
+
 // A block's keys: its query tokens t0 .. t0 + nt - 1 see keys 0 .. n_keys - 1, cut into gridDim.z
 // splits of whole tiles (computed here, so that a captured launch stays valid while a sequence
 // grows, and each query tile splits its own keys); the block takes split blockIdx.z, keys
 // [first_tile * kTileK, k_end) (maybe none). Its first tile goes into stage 0 -- before the wait for
 // the previous kernel where it lies wholly below first_new, the first position whose row this
 // pass writes (a decode step's new row, or a prompt chunk's first: kv_append writes the chunk's
-// rows just before, and only the wait promises that its writes are seen) -- then the wait. All
+// rows just before, and only the wait promises that its writes are seen) -- then the wait. FP8
+// pages: the tile comes through raw (exponent set 0) and is dequantized before the return. All
 // threads.
 struct BlockKeys {
   int p_lo, k_end, first_tile, n_tiles;
 };
 template <int DH, bool FP8>
-__device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bfloat16* vs, const KvPages& kv,
+__device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bfloat16* vs, uint8_t* raw, const KvPages& kv,
                                                       const int32_t* __restrict__ pos, int Hkv, int kvh, int t0,
                                                       int nt, int first_new) {
   BlockKeys b;
@@ -236,9 +292,16 @@ __device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bf
   b.first_tile = k_begin / kTileK;
   b.n_tiles = max(0, (b.k_end - k_begin + kTileK - 1) / kTileK);
   const bool early = b.n_tiles > 0 && (b.first_tile + 1) * kTileK <= first_new;
-  if (early) load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
+  auto load_first = [&] { issue_tile<DH, FP8>(ks, vs, raw, kv, Hkv, kvh, b.first_tile, 0, b.k_end, 0); };
+  if (early) load_first();
   pdl_start();
-  if (b.n_tiles > 0 && !early) load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end, 0);
+  if (b.n_tiles > 0 && !early) load_first();
+  if constexpr (FP8)
+    if (b.n_tiles > 0) {  // n_tiles is the block's: every thread meets the barrier
+      cp_async_wait<0>();
+      __syncthreads();
+      store_fp8_tile<DH>(raw, 0, ks, vs, 0, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end);
+    }
   return b;
 }
 
@@ -312,12 +375,11 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   };
   const int warp_row0 = KEY_WARPS ? 0 : warp * 16, kw0 = KEY_WARPS ? warp * KW : 0;  // the warp's rows, keys
   auto row_offset = [&](int i) { return row_off(warp_row0 + quad + 8 * i); };
-  const BlockKeys keys = start_block_keys<DH, FP8>(ks, vs, kv, pos, Hkv, kvh, t0, nt, pos[per_seq ? t0 : 0]);
+  uint8_t* raw = reinterpret_cast<uint8_t*>(smem + 4 * kTileK * LD);  // FP8 pages: fetch_fp8_tile's area
+  const BlockKeys keys = start_block_keys<DH, FP8>(ks, vs, raw, kv, pos, Hkv, kvh, t0, nt, pos[per_seq ? t0 : 0]);
   const int p_lo = keys.p_lo, k_end = keys.k_end, first_tile = keys.first_tile, n_tiles = keys.n_tiles;
   const int n_splits = gridDim.z;
-  auto load_tile = [&](int tile, int stage) {
-    load_kv_tile<DH, FP8>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
-  };
+  auto load_tile = [&](int tile, int stage) { issue_tile<DH, FP8>(ks, vs, raw, kv, Hkv, kvh, first_tile, tile, k_end, stage); };
 
   int rpos[2];  // the rows' query positions (-1: padding)
   uint32_t qh[KC][4], ql[KC][4];
@@ -410,7 +472,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[dn + g][e] = fmaf(o[dn + g][e], corr[e >> 1], pv[g][e]);
     }
-    __syncthreads();  // this stage is consumed before the next iteration's load overwrites it
+    finish_tile<DH, FP8>(ks, vs, raw, kv, Hkv, kvh, first_tile, it, n_tiles, k_end);
   }
 
 #pragma unroll
@@ -467,14 +529,11 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
   auto col_off = [&](int c) -> long long {
     return c < cols ? (long long)((size_t(c / G) * H + size_t(kvh) * G + c % G) * DH) : -1;
   };
-  const BlockKeys keys = start_block_keys<DH, FP8>(ks, vs, kv, pos, Hkv, kvh, 0, T, pos[0]);
+  uint8_t* raw = reinterpret_cast<uint8_t*>(smem + 4 * kTileK * LD);  // FP8 pages: fetch_fp8_tile's area
+  const BlockKeys keys = start_block_keys<DH, FP8>(ks, vs, raw, kv, pos, Hkv, kvh, 0, T, pos[0]);
   const int p_lo = keys.p_lo, k_end = keys.k_end, first_tile = keys.first_tile, n_tiles = keys.n_tiles;
   const int n_splits = gridDim.z;
-  Fp8Tile<DH> next;  // FP8: tile it + 1, fetched at iteration it's start, stored after its products
-  auto load_tile = [&](int tile, int stage) {
-    if constexpr (FP8) fetch_fp8_tile<DH>(next, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end);
-    else load_kv_tile<DH, false>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
-  };
+  auto load_tile = [&](int tile, int stage) { issue_tile<DH, FP8>(ks, vs, raw, kv, Hkv, kvh, first_tile, tile, k_end, stage); };
 
   // Q^T as the B operand: column quad, dims 16 kk + 2 qi, +1 (b0) and + 8 (b1), as hi + lo.
   uint32_t qh[KC][2], ql[KC][2];
@@ -545,9 +604,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[dt][e] = fmaf(o[dt][e], corr[e & 1], pv[e]);
     }
-    __syncthreads();  // this stage is consumed before the next iteration's load overwrites it
-    if constexpr (FP8)
-      if (it + 1 < n_tiles) store_fp8_tile<DH>(next, ks, vs, (it + 1) & 1);  // made visible by await_tile's barrier
+    finish_tile<DH, FP8>(ks, vs, raw, kv, Hkv, kvh, first_tile, it, n_tiles, k_end);
   }
 
 #pragma unroll
@@ -586,16 +643,18 @@ constexpr auto kernel_of() {
 // most two of them (as the row form's registers allow): with three (135 registers, 68 KB each)
 // Mixtral-8x7B's step took 7.95 ms against 7.12 under programmatic launch, level without it (the
 // cause is not measured); the Qwen3 shapes are the same either way.
-template <int DH, Form F>
+// FP8 pages add fetch_fp8_tile's raw area after the tiles.
+template <int DH, Form F, bool FP8>
 constexpr size_t launch_smem() {
-  return F == Form::keys ? std::max(smem_bytes(DH), size_t(80) * 1024) : smem_bytes(DH);
+  const size_t bytes = smem_bytes(DH) + (FP8 ? fp8_raw_bytes(DH) : 0);
+  return F == Form::keys ? std::max(bytes, size_t(80) * 1024) : bytes;
 }
 
 // Above 48 KB of dynamic shared memory (Dh 128: 68 KB) a kernel must opt in; once per process.
 template <int DH, bool SPLIT_P, Form F, bool FP8 = false>
 cudaError_t opt_in_smem() {
   static const cudaError_t e = cudaFuncSetAttribute(kernel_of<DH, SPLIT_P, F, FP8>(),
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(launch_smem<DH, F>()));
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(launch_smem<DH, F, FP8>()));
   return e;
 }
 
@@ -608,7 +667,7 @@ cudaError_t launch_prefill_as(float* out, float* partial, const float* q, KvPage
   const int G = H / Hkv, TQ = (F == Form::rows ? kRows : F == Form::key_warps ? 16 : 8) / G;
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(DH)));  // log2(e) / sqrt(Dh)
   const int tiles = kv.tables ? T : (T + TQ - 1) / TQ;  // a decode batch: a block per token
-  const cudaError_t e = launch(kernel_of<DH, SPLIT_P, F, FP8>(), dim3(tiles, Hkv, n_splits), kThreads, launch_smem<DH, F>(), s,
+  const cudaError_t e = launch(kernel_of<DH, SPLIT_P, F, FP8>(), dim3(tiles, Hkv, n_splits), kThreads, launch_smem<DH, F, FP8>(), s,
                                out, partial, q, kv, pos, T, H, Hkv, G, scale_log2);
   if (e != cudaSuccess || n_splits == 1) return e;
   return attention_merge_splits(out, partial, T, H, DH, n_splits, s);

@@ -52,6 +52,16 @@ __device__ __forceinline__ uint4 load_fp8x8(const uint8_t* codes, const int8_t* 
   return fp8x8_to_bf16x8(load_fp8_codes8(codes, off), load_fp8_exp(exps, off, Dh));
 }
 
+// cp.async moves 16 bytes, not one: a row's exponent is fetched as the aligned 16-byte block that
+// holds it (fp8_exp_block), and read there at fp8_exp_byte. A page's exponents start 16-byte aligned
+// from the pool's base (64 Hkv bytes a page), so the byte follows from the row's place in its page.
+__device__ __forceinline__ const int8_t* fp8_exp_block(const int8_t* e) {
+  return e - (reinterpret_cast<uintptr_t>(e) & 15);
+}
+__device__ __forceinline__ int fp8_exp_byte(const int8_t* exps, int row_in_page, int Hkv, int kvh) {
+  return int((reinterpret_cast<uintptr_t>(exps) + row_in_page * Hkv + kvh) & 15);
+}
+
 // One warp: x[Dh] -> codes[Dh] and *exp (fp8_quantize_rows of one row). All lanes.
 __device__ __forceinline__ void quantize_fp8_row(const float* x, int Dh, uint8_t* codes, int8_t* exp) {
   const int lane = threadIdx.x & 31;

@@ -189,7 +189,8 @@ void check_attention_fp8() {
     });
   for (C c : {C{65, 300, 16, 4, 128}, C{200, 1, 12, 4, 64}, C{512, 700, 16, 16, 128}, C{1, 4095, 32, 4, 128},
               C{2, 300, 16, 2, 64}, C{3, 63, 20, 4, 128}, C{16, 100, 4, 4, 64}, C{1, 2000, 32, 4, 64},
-              C{700, 0, 4, 2, 128}, C{1, 700, 4, 2, 128}})  // the last two: tinymix-code's heads
+              C{700, 0, 4, 2, 128}, C{1, 700, 4, 2, 128},  // these two: tinymix-code's heads
+              C{1, 1000, 3, 3, 128}, C{5, 130, 8, 1, 64}})  // a row's exponent at any byte of its 16-byte block
     for (int splits : {1, 3})
       for (bool split_p : {true, false}) {
         if (!split_p && splits > 1) continue;
