@@ -64,17 +64,21 @@ fi
 if [ "$MODE" = trees ]; then  # the source overlays: each laid over this tree, built in build-gpu, its binary
   # copied out, this tree's files put back (touched, so a later build recompiles them) and this binary restored
   cp "$C" /tmp/tiermoe-this || exit 1
+  lay_files() {  # SRC FILE...: each FILE as SRC has it (touched, so ninja rebuilds it), or removed where SRC lacks it
+    local src=$1 f; shift
+    for f in "$@"; do if [ -f "$src/$f" ]; then mkdir -p "$(dirname "$f")" && cp "$src/$f" "$f" && touch "$f"; else rm -f "$f"; fi; done
+  }
   for d in trees/*/; do
     label=$(basename "$d"); t=/tmp/tiermoe-tree-$label
     [ -f "$d.cmake_args" ] && continue
     log "build overlay $label"; b=$(mktemp -d)
     mapfile -t files < <(cd "$d" && find . -type f ! -name .deleted | sed 's|^\./||'; grep -v '^$' .deleted)
     for f in "${files[@]}"; do [ -f "$f" ] && mkdir -p "$b/$(dirname "$f")" && cp "$f" "$b/$f"; done
-    for f in "${files[@]}"; do if [ -f "$d$f" ]; then mkdir -p "$(dirname "$f")" && cp "$d$f" "$f" && touch "$f"; else rm -f "$f"; fi; done
+    lay_files "$d" "${files[@]}"
     mkdir -p "$t/build"
     cmake --build build-gpu -j16 --target tiermoe_cuda_check > "$OUT/build_$label.log" 2>&1 && cp "$C" "$t/build/" ||
       { echo "trees: $label did not build"; tail -20 "$OUT/build_$label.log"; }
-    for f in "${files[@]}"; do if [ -f "$b/$f" ]; then cp "$b/$f" "$f" && touch "$f"; else rm -f "$f"; fi; done
+    lay_files "$b" "${files[@]}"
     rm -rf "$b"
   done
   cp /tmp/tiermoe-this "$C"

@@ -77,7 +77,7 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 // in by 16-byte cp.async as BF16 rows do -- the whole tile in flight at once -- into the upper half
 // of each BF16 tile (tile keys x Dh bytes <= 8 KB), and each row's exponent's 16-byte block
 // (cp.async takes no single byte) into the lower half; dequantize_fp8_rows then reads them all into
-// registers, meets a barrier and writes the BF16 rows in place. L2 only (.cg), as load_fp8x8.
+// registers, meets a barrier and writes the BF16 rows in place. L2 only (.cg), as load_fp8_codes8.
 // A thread's chunks of 16 codes: ch = threadIdx.x + m kThreads, row ch / (Dh / 16).
 __host__ __device__ constexpr int fp8_chunks_per_thread(int dh) { return (tile_keys(dh) * (dh / 16) + kThreads - 1) / kThreads; }
 constexpr int kFp8RawOffset = kTileElems;  // bytes: the upper half of a 16 KB BF16 tile
@@ -377,8 +377,8 @@ struct KvLane<true> {
   uint2 c;
   float s;
   __device__ void load(const uint8_t* codes, const int8_t* exps, size_t off, int Dh) {
-    c = __ldcg(reinterpret_cast<const uint2*>(codes + off));  // L2 only: see load_fp8x8
-    s = fp8_exp2(__ldcg(exps + off / Dh));
+    c = load_fp8_codes8(codes, off);
+    s = fp8_exp2(load_fp8_exp(exps, off, Dh));
   }
   __device__ void zero() { c = make_uint2(0, 0), s = 1.f; }
   __device__ float dot(const float4& a, const float4& b) const {  // dot8's order

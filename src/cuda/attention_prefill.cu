@@ -124,6 +124,11 @@ __device__ __forceinline__ float online_softmax_step(float mx, float& m, float& 
   return base;
 }
 
+// The element offset of row k0 (a page's first) of KV head kvh.
+template <int DH>
+__device__ __forceinline__ size_t page_row0(const KvPages& kv, int Hkv, int kvh, int k0) {
+  return (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH;
+}
 // A thread's share of one K/V tile (a page: kTileK == kKvPageRows): its rows r0 + j RS (j < J) and
 // 8 columns from c, a fixed stride apart, an add per copy.
 static_assert(kTileK == kKvPageRows, "a K/V tile is one page of the cache");
@@ -133,9 +138,7 @@ struct TileShare {
   static_assert(kThreads % CH == 0 && kTileK % RS == 0, "a thread's chunks sit in one column");
   int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
   // The element offset of this thread's chunk in row k0 (a page's first) of KV head kvh.
-  __device__ size_t first(const KvPages& kv, int Hkv, int kvh, int k0) const {
-    return (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH + c;
-  }
+  __device__ size_t first(const KvPages& kv, int Hkv, int kvh, int k0) const { return page_row0<DH>(kv, Hkv, kvh, k0) + c; }
 };
 
 // FP8 pages: a tile's codes, and per row the 16-byte block holding its exponent, come into a raw
@@ -151,16 +154,18 @@ struct TileShare {
 // the code chunks it copied itself; the exponent blocks are shared by a row's threads, hence two
 // sets: the next tile's copies may start while a slower thread still reads this tile's.
 constexpr int kExpBlock = 16;  // fp8_exp_block's bytes
-__host__ __device__ constexpr int fp8_raw_bytes(int dh) { return 2 * kTileK * dh + 2 * 2 * kTileK * kExpBlock; }
 template <int DH>
 struct Fp8Share {  // a thread's chunks of 16 codes: rows r0 + j RS, codes c .. c + 15
   static constexpr int CH = DH / 16, RS = kThreads / CH, J = kTileK / RS;
   static_assert(kThreads % CH == 0 && kTileK % RS == 0 && kThreads == 2 * kTileK, "one exponent block per thread");
   int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 16;
 };
-__device__ __forceinline__ uint8_t* fp8_exp_set(uint8_t* raw, int dh, int set) {
+// Exponent set `set` of the raw area (uint8_t or const uint8_t).
+template <class Byte>
+__device__ __forceinline__ Byte* fp8_exp_set(Byte* raw, int dh, int set) {
   return raw + 2 * kTileK * dh + set * 2 * kTileK * kExpBlock;
 }
+__host__ __device__ constexpr int fp8_raw_bytes(int dh) { return 2 * kTileK * dh + 2 * 2 * kTileK * kExpBlock; }
 // Keys [k0, k0 + kTileK) of KV head kvh's FP8 rows (those below k_end; the rest read the last valid
 // row, a valid address, and are stored as zeros) into raw, exponents into set `set`; one commit group.
 template <int DH>
@@ -169,7 +174,7 @@ __device__ __forceinline__ void fetch_fp8_tile(uint8_t* raw, int set, const KvPa
   const Fp8Share<DH> fs;
   const int rows = min(kTileK, k_end - k0);
   const size_t stride = size_t(Hkv) * DH;
-  const size_t first = (size_t(__ldg(kv.table + k0 / kKvPageRows)) * kKvPageRows * Hkv + kvh) * DH;
+  const size_t first = page_row0<DH>(kv, Hkv, kvh, k0);
 #pragma unroll
   for (int j = 0; j < fs.J; ++j) {
     const int r = fs.r0 + j * fs.RS;
@@ -190,7 +195,7 @@ __device__ __forceinline__ void store_fp8_tile(const uint8_t* raw, int set, __nv
   constexpr int LD = smem_ld(DH);
   const Fp8Share<DH> fs;
   const int rows = min(kTileK, k_end - k0);
-  const uint8_t* eb = fp8_exp_set(const_cast<uint8_t*>(raw), DH, set);
+  const uint8_t* eb = fp8_exp_set(raw, DH, set);
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int j = 0; j < fs.J; ++j) {

@@ -39,18 +39,14 @@ __device__ __forceinline__ float fp8_to_float(uint8_t code, int e) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(code), __NV_E4M3))) * fp8_exp2(e);
 }
 
-// 8 values at value offset off (a multiple of 8) of an FP8 pool, as BF16 bits. From L2 (ld.global.cg),
-// never L1: a kernel's early loads (before its programmatic wait) can bring in the line of a row the
-// kernel before is still writing (an exponent line holds 128 / Hkv rows), and a read of that row
-// after the wait must not hit the stale copy.
-// Its two parts, for a loader that converts later: the 8 codes, and the row's exponent.
+// The 8 codes at value offset off (a multiple of 8) of an FP8 pool, and their row's exponent. From
+// L2 (ld.global.cg), never L1: a kernel's early loads (before its programmatic wait) can bring in the
+// line of a row the kernel before is still writing (an exponent line holds 128 / Hkv rows), and a
+// read of that row after the wait must not hit the stale copy.
 __device__ __forceinline__ uint2 load_fp8_codes8(const uint8_t* codes, size_t off) {
   return __ldcg(reinterpret_cast<const uint2*>(codes + off));
 }
 __device__ __forceinline__ int load_fp8_exp(const int8_t* exps, size_t off, int Dh) { return __ldcg(exps + off / Dh); }
-__device__ __forceinline__ uint4 load_fp8x8(const uint8_t* codes, const int8_t* exps, size_t off, int Dh) {
-  return fp8x8_to_bf16x8(load_fp8_codes8(codes, off), load_fp8_exp(exps, off, Dh));
-}
 
 // cp.async moves 16 bytes, not one: a row's exponent is fetched as the aligned 16-byte block that
 // holds it (fp8_exp_block), and read there at fp8_exp_byte. A page's exponents start 16-byte aligned
