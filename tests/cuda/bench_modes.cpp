@@ -13,6 +13,13 @@
 
 namespace tiermoe::cuda_check {
 
+// TIERMOE_BENCH_KV=fp8-all: FP8 KV pages (--kv fp8-all) in bench and profile; an environment switch,
+// so that gpu_check.sh envs / detail can A/B it.
+static KvDType bench_kv_dtype() {
+  const char* e = std::getenv("TIERMOE_BENCH_KV");
+  return e && std::strcmp(e, "fp8-all") == 0 ? KvDType::FP8 : KvDType::BF16;
+}
+
 int bench_main(int argc, char** argv) {
   std::string config, model;
   int ctx = 512, gen = 128, repeats = 3, batch = 1;
@@ -31,9 +38,7 @@ int bench_main(int argc, char** argv) {
     else if (k == "--top-k") sampling.top_k = std::stoi(v);
     else { std::fprintf(stderr, "unknown option %s %s\n", k.c_str(), v.c_str()); return 2; }
   }
-  // TIERMOE_BENCH_KV=fp8-all: FP8 KV pages (--kv fp8-all); an environment switch, so that gpu_check.sh envs can A/B it.
-  const char* kv_env = std::getenv("TIERMOE_BENCH_KV");
-  if (kv_env && std::strcmp(kv_env, "fp8-all") == 0) opts.kv_dtype = KvDType::FP8;
+  opts.kv_dtype = bench_kv_dtype();
   ModelConfig cfg;
   std::unique_ptr<ModelWeights> w;
   std::unique_ptr<Backend> b;
@@ -184,6 +189,7 @@ int profile_main(int argc, char** argv) {
   const ModelConfig cfg = parse_config(test::read_file(config), config);
   // A pool for these sequences alone: the default takes the free memory, which ncu's kernel replay needs.
   CudaBackendOptions o;
+  o.kv_dtype = bench_kv_dtype();
   o.kv_cache_bytes = size_t(batch) * (ctx / cu::kKvPageRows + 2) * kv_page_bytes(cfg);
   auto b = make_cuda_backend_dummy(cfg, o);
   const size_t V = size_t(cfg.vocab_size);
