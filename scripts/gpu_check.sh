@@ -134,7 +134,8 @@ if [ "$MODE" = again ]; then  # the kernel table twice more, then the race and i
 fi
 if [ "$MODE" = detail ]; then  # ncu sections of one kernel in one eager decode step: why it is slow
   # DETAIL_KERNEL: a regex of kernel function names (default attention_prefill); DETAIL_ROW: "config
-  # ctx batch" (default the Qwen3 16-layer shape, 4096 keys, B = 64); DETAIL_COUNT launches (default 1).
+  # ctx batch" (default the Qwen3 16-layer shape, 4096 keys, B = 64); DETAIL_COUNT launches (default 1);
+  # TIERMOE_BENCH_KV=fp8-all: on FP8 pages.
   set -- ${DETAIL_ROW:-qwen3-30b-a3b-L16-v8192.json 4096 64}; log "detail ${DETAIL_KERNEL:-attention_prefill} $*"
   TIERMOE_CUDA_GRAPHS=0 timeout ${DETAIL_S:-300} ncu --profile-from-start off --clock-control none \
     --kernel-name "regex:${DETAIL_KERNEL:-attention_prefill}" --launch-count ${DETAIL_COUNT:-1} \
