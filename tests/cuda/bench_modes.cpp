@@ -190,7 +190,7 @@ int profile_main(int argc, char** argv) {
   // A pool for these sequences alone: the default takes the free memory, which ncu's kernel replay needs.
   CudaBackendOptions o;
   o.kv_dtype = bench_kv_dtype();
-  o.kv_cache_bytes = size_t(batch) * (ctx / cu::kKvPageRows + 2) * kv_page_bytes(cfg);
+  o.kv_cache_bytes = size_t(batch) * (ctx / cu::kKvPageRows + 2) * kv_page_bytes(cfg, o.kv_dtype == KvDType::FP8);
   auto b = make_cuda_backend_dummy(cfg, o);
   const size_t V = size_t(cfg.vocab_size);
   std::vector<std::unique_ptr<KvCache>> caches;
