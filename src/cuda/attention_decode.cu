@@ -77,7 +77,7 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 // in by 16-byte cp.async as BF16 rows do -- the whole tile in flight at once -- into the upper half
 // of each BF16 tile (tile keys x Dh bytes <= 8 KB), and each row's exponent's 16-byte block
 // (cp.async takes no single byte) into the lower half; dequantize_fp8_rows then reads them all into
-// registers, meets a barrier and writes the BF16 rows in place. L2 only (.cg), as load_fp8_codes8.
+// registers, meets a barrier and writes the BF16 rows in place. L2 only (.cg), as load_fp8_codes16.
 // A thread's chunks of 16 codes: ch = threadIdx.x + m kThreads, row ch / (Dh / 16).
 __host__ __device__ constexpr int fp8_chunks_per_thread(int dh) { return (tile_keys(dh) * (dh / 16) + kThreads - 1) / kThreads; }
 constexpr int kFp8RawOffset = kTileElems;  // bytes: the upper half of a 16 KB BF16 tile
@@ -353,51 +353,64 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(
 // One sequence, one query head per block (grid (H, n_splits, T)): the same attention with no
 // shared-memory tiles and no barrier per tile. Why: at G = 1 (OLMoE) the tiled kernel's phases
 // (scores, softmax, P V, each after a barrier) leave one instruction per ~10 cycles per warp at
-// 4096 keys -- its chains, not memory, bound it. Here L = Dh / 8 lanes share a key (16-byte loads of
-// its K and V rows into registers), each lane group keeps its own online softmax over kRound keys
-// at a time (their scores independent shuffle chains, one rescale per round), and the warps' and
-// groups' states are merged once at the end. The first round's cached rows are loaded before the
-// wait. At G > 1 every query head reads its KV head's rows itself (G times the K/V bytes).
-constexpr int kRound = 8;          // keys per lane group per round
+// 4096 keys -- its chains, not memory, bound it. Here L = Dh / V lanes share a key (one 16-byte load
+// each of its K and V rows into registers: V = 8 BF16 values or 16 FP8 codes), each lane group keeps
+// its own online softmax over R keys at a time (their scores independent shuffle chains, one rescale
+// per round), and the warps' and groups' states are merged once at the end. The first round's cached
+// rows are loaded before the wait. At G > 1 every query head reads its KV head's rows itself (G times
+// the K/V bytes).
+constexpr int kRound = 8;           // keys per lane group per round on BF16 pages (4 on FP8: below)
 constexpr int kMergeFloats = 4352;  // the merge's stage: 33 splits of Dh = 128 in one chunk
-// A lane's 8 values of one key's K or V row, in registers: BF16 bits, or (FP8 pages) the codes and
+// A lane's V values of one key's K or V row, in registers: BF16 bits, or (FP8 pages) the codes and
 // the row's scale 2^e, which multiplies the lane's partial score and the key's p instead of every
 // value -- the same bits as the dequantized values' arithmetic while p 2^e and the sums stay normal
 // floats (a power of two rounds nothing), with fewer instructions and registers.
+// Why 16 codes a lane on FP8 pages, with half the keys per round: a round then holds the same 64
+// keys and the same bytes in flight as BF16's, with half the loads and lanes per key (and one
+// shuffle step fewer per score). With 8 codes a lane (as BF16's 8 values; until 2026-12-07) the FP8
+// form was no faster than BF16 at 4096 keys, its instructions the bound: 4 loads per key row a lane,
+// two of them the row's exponent byte (docs/benchmarks.md, "FP8 per-head decode attention").
 template <bool FP8>
 struct KvLane {
+  static constexpr int kValues = 8, kRoundKeys = kRound;
   uint4 w;
   __device__ void zero() { w = make_uint4(0, 0, 0, 0); }
-  __device__ float dot(const float4& a, const float4& b) const { return dot8(w, a, b); }
+  __device__ float dot(const float* q) const {
+    return dot8(w, make_float4(q[0], q[1], q[2], q[3]), make_float4(q[4], q[5], q[6], q[7]));
+  }
   __device__ float scale() const { return 1.f; }
   __device__ void values(float* f) const { unpack8(w, f); }
 };
 template <>
 struct KvLane<true> {
-  uint2 c;
+  static constexpr int kValues = 16, kRoundKeys = kRound / 2;
+  uint4 c;
   float s;
   __device__ void load(const uint8_t* codes, const int8_t* exps, size_t off, int Dh) {
-    c = load_fp8_codes8(codes, off);
+    c = load_fp8_codes16(codes, off);
     s = fp8_exp2(load_fp8_exp(exps, off, Dh));
   }
-  __device__ void zero() { c = make_uint2(0, 0), s = 1.f; }
-  __device__ float dot(const float4& a, const float4& b) const {  // dot8's order
-    float f[8];
-    fp8x8_to_float(c, f);
-    float d = f[0] * a.x;
-    d = fmaf(f[1], a.y, d), d = fmaf(f[2], a.z, d), d = fmaf(f[3], a.w, d);
-    d = fmaf(f[4], b.x, d), d = fmaf(f[5], b.y, d), d = fmaf(f[6], b.z, d), d = fmaf(f[7], b.w, d);
+  __device__ void zero() { c = make_uint4(0, 0, 0, 0), s = 1.f; }
+  __device__ float dot(const float* q) const {
+    float f[16];
+    values(f);
+    float d = f[0] * q[0];
+#pragma unroll
+    for (int i = 1; i < 16; ++i) d = fmaf(f[i], q[i], d);
     return d * s;
   }
   __device__ float scale() const { return s; }
-  __device__ void values(float* f) const { fp8x8_to_float(c, f); }
+  __device__ void values(float* f) const {
+    fp8x8_to_float(make_uint2(c.x, c.y), f), fp8x8_to_float(make_uint2(c.z, c.w), f + 8);
+  }
 };
 template <int Dh, bool FP8>
 __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     float* __restrict__ out, float* __restrict__ partial, unsigned* __restrict__ counters,
     const float* __restrict__ q, bf16* kc, bf16* vc, KvFp8 fp8, const int32_t* table, const float* __restrict__ k_new,
     const float* __restrict__ v_new, const int32_t* __restrict__ pos, int Hkv) {
-  constexpr int L = Dh / 8, slots = 32 / L, per_round = kWarpsPerBlock * slots * kRound;
+  constexpr int R = KvLane<FP8>::kRoundKeys, V = KvLane<FP8>::kValues, L = Dh / V, slots = 32 / L;
+  constexpr int per_round = kWarpsPerBlock * slots * R;
   const int h = blockIdx.x, H = gridDim.x, G = H / Hkv, kvh = h / G;
   const int s = blockIdx.y, t = blockIdx.z, n_splits = gridDim.y, T = gridDim.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / L, part = lane % L;
@@ -407,9 +420,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   const size_t row = size_t(Hkv) * Dh;
   // Round r's key u of this lane group: keys of a round are consecutive over (u, warp, group).
   auto key_of = [&](int r0, int u) { return r0 + (u * kWarpsPerBlock + warp) * slots + sub; };
-  KvLane<FP8> kw[kRound], vw[kRound];
-  auto load_row = [&](int j, int u) {  // key j's 8 values of this lane, from the cache
-    const size_t off = kv_row(table, j) * row + size_t(kvh) * Dh + part * 8;
+  KvLane<FP8> kw[R], vw[R];
+  auto load_row = [&](int j, int u) {  // key j's V values of this lane, from the cache
+    const size_t off = kv_row(table, j) * row + size_t(kvh) * Dh + part * V;
     if constexpr (FP8)
       kw[u].load(fp8.k, fp8.k_exp, off, Dh), vw[u].load(fp8.v, fp8.v_exp, off, Dh);
     else
@@ -417,7 +430,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   };
   auto load_cached = [&](int r0) {
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) {
+    for (int u = 0; u < R; ++u) {
       const int j = key_of(r0, u);
       if (j < end && j < first_new) {
         load_row(j, u);
@@ -431,15 +444,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   pdl_start();
   // q before the new row: its loads go out with the row's, not after the row's stores.
   const float scale = rsqrtf(float(Dh));
-  const float* qh = q + (size_t(t) * H + h) * Dh + part * 8;
-  const float4 q_lo = make_float4(qh[0] * scale, qh[1] * scale, qh[2] * scale, qh[3] * scale);
-  const float4 q_hi = make_float4(qh[4] * scale, qh[5] * scale, qh[6] * scale, qh[7] * scale);
+  const float* qh = q + (size_t(t) * H + h) * Dh + part * V;
+  float qs[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) qs[i] = qh[i] * scale;
   new_row.append(kc, vc, k_new, v_new, Dh);
-  float m = -INFINITY, l = 0.f, acc[8] = {};
+  float m = -INFINITY, l = 0.f, acc[V] = {};
   for (int r0 = start; r0 < end; r0 += per_round) {
     if (r0 != start) load_cached(r0);
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) {  // this pass's new keys: from k_new / v_new, rounded as the cache stores them
+    for (int u = 0; u < R; ++u) {  // this pass's new keys: from k_new / v_new, rounded as the cache stores them
       const int j = key_of(r0, u);
       if (j < end && j >= first_new) {
         if (FP8 || !k_new) {  // in the cache already
@@ -452,16 +466,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
         }
       }
     }
-    float sc[kRound];
+    float sc[R];
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) sc[u] = kw[u].dot(q_lo, q_hi);
+    for (int u = 0; u < R; ++u) sc[u] = kw[u].dot(qs);
 #pragma unroll
     for (int o = L / 2; o > 0; o >>= 1)
 #pragma unroll
-      for (int u = 0; u < kRound; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+      for (int u = 0; u < R; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
     float mx = m;
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) {
+    for (int u = 0; u < R; ++u) {
       if (key_of(r0, u) >= end) sc[u] = -INFINITY;
       mx = fmaxf(mx, sc[u]);
     }
@@ -469,15 +483,15 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     const float c = expf(m - mx);   // 0 while m is -inf
     l *= c;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] *= c;
+    for (int i = 0; i < V; ++i) acc[i] *= c;
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) {
+    for (int u = 0; u < R; ++u) {
       const float p = expf(sc[u] - mx), pv = p * vw[u].scale();  // 0 for masked keys
       l += p;
-      float vf[8];
+      float vf[V];
       vw[u].values(vf);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = fmaf(pv, vf[i], acc[i]);
+      for (int i = 0; i < V; ++i) acc[i] = fmaf(pv, vf[i], acc[i]);
     }
     m = mx;
   }
@@ -487,20 +501,20 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
     const float ca = M == -INFINITY ? 0.f : expf(m - M), cb = M == -INFINITY ? 0.f : expf(m2 - M);
     l = l * ca + l2 * cb;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = acc[i] * ca + acc2[i] * cb;
+    for (int i = 0; i < V; ++i) acc[i] = acc[i] * ca + acc2[i] * cb;
     m = M;
   };
 #pragma unroll
   for (int o = L; o < 32; o <<= 1) {
-    float acc2[8];
+    float acc2[V];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc2[i] = __shfl_xor_sync(0xffffffffu, acc[i], o);
+    for (int i = 0; i < V; ++i) acc2[i] = __shfl_xor_sync(0xffffffffu, acc[i], o);
     merge(m, l, acc, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o), acc2);
   }
   __shared__ __align__(16) float wst[kWarpsPerBlock][Dh + 2];  // per warp: m, l, acc[Dh]
   if (lane < L) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) wst[warp][2 + part * 8 + i] = acc[i];
+    for (int i = 0; i < V; ++i) wst[warp][2 + part * V + i] = acc[i];
     if (lane == 0) wst[warp][0] = m, wst[warp][1] = l;
   }
   __syncthreads();

@@ -142,7 +142,7 @@ struct TileShare {
 };
 
 // FP8 pages: a tile's codes, and per row the 16-byte block holding its exponent, come into a raw
-// area of shared memory by 16-byte cp.async (L2 only, as load_fp8_codes8: no stale L1 line of a row
+// area of shared memory by 16-byte cp.async (L2 only, as load_fp8_codes16: no stale L1 line of a row
 // the kernel before may still be writing) one tile ahead, and are dequantized into the tile's BF16
 // stage after the products of the tile before (store_fp8_tile). So the loads stay in flight during
 // the products, as BF16 pages' cp.async do, and hold no registers. Dequantized at once, a fetch

@@ -39,12 +39,12 @@ __device__ __forceinline__ float fp8_to_float(uint8_t code, int e) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(code), __NV_E4M3))) * fp8_exp2(e);
 }
 
-// The 8 codes at value offset off (a multiple of 8) of an FP8 pool, and their row's exponent. From
+// The 16 codes at value offset off (a multiple of 16) of an FP8 pool, and their row's exponent. From
 // L2 (ld.global.cg), never L1: a kernel's early loads (before its programmatic wait) can bring in the
 // line of a row the kernel before is still writing (an exponent line holds 128 / Hkv rows), and a
 // read of that row after the wait must not hit the stale copy.
-__device__ __forceinline__ uint2 load_fp8_codes8(const uint8_t* codes, size_t off) {
-  return __ldcg(reinterpret_cast<const uint2*>(codes + off));
+__device__ __forceinline__ uint4 load_fp8_codes16(const uint8_t* codes, size_t off) {
+  return __ldcg(reinterpret_cast<const uint4*>(codes + off));
 }
 __device__ __forceinline__ int load_fp8_exp(const int8_t* exps, size_t off, int Dh) { return __ldcg(exps + off / Dh); }
 
