@@ -375,9 +375,7 @@ struct KvLane {
   static constexpr int kValues = 8, kRoundKeys = kRound;
   uint4 w;
   __device__ void zero() { w = make_uint4(0, 0, 0, 0); }
-  __device__ float dot(const float* q) const {
-    return dot8(w, make_float4(q[0], q[1], q[2], q[3]), make_float4(q[4], q[5], q[6], q[7]));
-  }
+  __device__ float dot(const float* q) const { return dot8(w, q); }  // q: 16-byte aligned
   __device__ float scale() const { return 1.f; }
   __device__ void values(float* f) const { unpack8(w, f); }
 };
@@ -445,7 +443,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_head_kernel(
   // q before the new row: its loads go out with the row's, not after the row's stores.
   const float scale = rsqrtf(float(Dh));
   const float* qh = q + (size_t(t) * H + h) * Dh + part * V;
-  float qs[V];
+  alignas(16) float qs[V];  // dot8 reads it as float4s
 #pragma unroll
   for (int i = 0; i < V; ++i) qs[i] = qh[i] * scale;
   new_row.append(kc, vc, k_new, v_new, Dh);
