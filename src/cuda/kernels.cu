@@ -86,6 +86,24 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
   };
   if (early) prepare();
   pdl_start();
+  // FP8 append: a row is quantized by one warp (its scale is the row's max). Where the block has a
+  // warp for every key row and one more for every value row, the value rows, which the norm and
+  // rotation do not touch, go out right after the wait, beside the norm's loads, and are quantized
+  // from registers before the barrier; the rotated keys are kept in shared memory for theirs, where
+  // the launch gave it (qk_norm_rope).
+  constexpr int kRowRegs = kAttnMaxDh / 32;
+  extern __shared__ float keys_rotated[];
+  const int warp = threadIdx.x >> 5;
+  const bool values_apart = FP8 && append && int(blockDim.x >> 5) >= 2 * heads;
+  bool keys_staged = false;
+  if constexpr (FP8) {
+    uint32_t staged_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(staged_bytes));
+    keys_staged = append && size_t(len) * sizeof(float) <= staged_bytes;
+  }
+  float value_row[kRowRegs];
+  if (values_apart && warp >= heads && warp < 2 * heads)
+    load_row_lanes(vin + size_t(t) * Hkv * Dh + first + size_t(warp - heads) * Dh, Dh, value_row);
   float inv = 1.f;
   if (nw) {
     __shared__ float part[32];
@@ -107,6 +125,10 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     const float a = nw ? r[j] * inv * wa : r[j], b = nw ? r[j + half] * inv * wb : r[j + half];
     r[j] = a * cs - b * sn;
     r[j + half] = b * cs + a * sn;
+    if (keys_staged) {
+      keys_rotated[h * Dh + j] = r[j];
+      keys_rotated[h * Dh + j + half] = r[j + half];
+    }
     if (append && !FP8) {
       const size_t at = cache_at + size_t(h) * Dh;
       reinterpret_cast<__nv_bfloat16*>(kv.k)[at + j] = __float2bfloat16_rn(r[j]);
@@ -117,11 +139,21 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     for (int i = threadIdx.x; i < len; i += blockDim.x)
       reinterpret_cast<__nv_bfloat16*>(kv.v)[cache_at + i] = __float2bfloat16_rn(vin[size_t(t) * Hkv * Dh + first + i]);
   if (FP8 && append) {
-    __syncthreads();  // the block's rotated keys, written above, read by every warp
-    for (int h = threadIdx.x >> 5; h < heads; h += blockDim.x >> 5) {
+    auto quantize = [&](const float* x, int h, uint8_t* codes, int8_t* exps) {
       const size_t at = cache_at + size_t(h) * Dh;  // the head's row in the pool, in values
-      quantize_fp8_row(v + size_t(h) * Dh, Dh, kv.fp8.k + at, kv.fp8.k_exp + at / Dh);
-      quantize_fp8_row(vin + size_t(t) * Hkv * Dh + first + size_t(h) * Dh, Dh, kv.fp8.v + at, kv.fp8.v_exp + at / Dh);
+      float r[kRowRegs];
+      load_row_lanes(x + size_t(h) * Dh, Dh, r);
+      quantize_fp8_row(r, Dh, codes + at, exps + at / Dh);
+    };
+    if (values_apart && warp >= heads && warp < 2 * heads) {
+      const size_t at = cache_at + size_t(warp - heads) * Dh;
+      quantize_fp8_row(value_row, Dh, kv.fp8.v + at, kv.fp8.v_exp + at / Dh);
+    }
+    __syncthreads();  // the block's rotated keys, written above, read by every warp
+    const float* keys = keys_staged ? keys_rotated : v;
+    for (int h = warp; h < heads; h += blockDim.x >> 5) {
+      quantize(keys, h, kv.fp8.k, kv.fp8.k_exp);
+      if (!values_apart) quantize(vin + size_t(t) * Hkv * Dh + first, h, kv.fp8.v, kv.fp8.v_exp);
     }
   }
 }
@@ -176,8 +208,11 @@ __global__ void kv_append_fp8_kernel(KvFp8 kv, const int32_t* table, const float
   const int t = blockIdx.x, kvh = blockIdx.y * 8 + (threadIdx.x >> 5);
   if (kvh >= Hkv) return;
   const size_t dst = (kv_row(table, pos[t]) * Hkv + kvh) * Dh, src = (size_t(t) * Hkv + kvh) * Dh;
-  quantize_fp8_row(k + src, Dh, kv.k + dst, kv.k_exp + dst / Dh);
-  quantize_fp8_row(v + src, Dh, kv.v + dst, kv.v_exp + dst / Dh);
+  float kr[kAttnMaxDh / 32], vr[kAttnMaxDh / 32];  // both rows' loads out at once
+  load_row_lanes(k + src, Dh, kr);
+  load_row_lanes(v + src, Dh, vr);
+  quantize_fp8_row(kr, Dh, kv.k + dst, kv.k_exp + dst / Dh);
+  quantize_fp8_row(vr, Dh, kv.v + dst, kv.v_exp + dst / Dh);
 }
 
 // grid (pages, layers): one block copies one page of K and of V, 16 bytes per load (page_bytes a
@@ -341,7 +376,10 @@ cudaError_t qk_norm_rope(float* q, float* k, const float* q_norm, const float* k
   // powf + sincosf, store), and fewer threads lengthen it -- 256 per block cost 4-5% per token at
   // OLMoE's shape (docs/benchmarks.md).
   const int threads = std::min(1024, std::max(32, (pairs + 31) / 32 * 32));
-  return launch(append.is_fp8() ? qk_norm_rope_kernel<true> : qk_norm_rope_kernel<false>, dim3(segs, T), threads, 0, s, q,
+  // FP8 appends stage a k segment's rotated keys in shared memory where they fit the default 48 KB.
+  const size_t key_bytes = size_t(full ? Hkv : 1) * Dh * sizeof(float);
+  const size_t staged = append.is_fp8() && key_bytes <= 48 * 1024 ? key_bytes : 0;
+  return launch(append.is_fp8() ? qk_norm_rope_kernel<true> : qk_norm_rope_kernel<false>, dim3(segs, T), threads, staged, s, q,
                 k, q_norm, k_norm, full, pos, H, Hkv, Dh, eps, theta, append, v, g_rope_early);
 }
 

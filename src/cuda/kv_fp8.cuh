@@ -58,16 +58,29 @@ __device__ __forceinline__ int fp8_exp_byte(const int8_t* exps, int row_in_page,
   return int((reinterpret_cast<uintptr_t>(exps) + row_in_page * Hkv + kvh) & 15);
 }
 
-// One warp: x[Dh] -> codes[Dh] and *exp (fp8_quantize_rows of one row). All lanes.
-__device__ __forceinline__ void quantize_fp8_row(const float* x, int Dh, uint8_t* codes, int8_t* exp) {
+// Lane l's share of a row x[Dh]: r[i] = x[l + 32 i], 0 past Dh; the loads go out together.
+template <int N>
+__device__ __forceinline__ void load_row_lanes(const float* x, int Dh, float (&r)[N]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < N; ++i) r[i] = lane + 32 * i < Dh ? x[lane + 32 * i] : 0.f;
+}
+
+// One warp, each lane holding its share of a row (load_row_lanes): the row's codes[Dh] and *exp
+// (fp8_quantize_rows of one row). All lanes.
+template <int N>
+__device__ __forceinline__ void quantize_fp8_row(const float (&r)[N], int Dh, uint8_t* codes, int8_t* exp) {
   const int lane = threadIdx.x & 31;
   float amax = 0.f;
-  for (int i = lane; i < Dh; i += 32) amax = fmaxf(amax, fabsf(x[i]));
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(r[i]));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const int e = fp8_row_exponent(amax);
   const float inv = fp8_exp2(-e);
-  for (int i = lane; i < Dh; i += 32) codes[i] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (lane + 32 * i < Dh) codes[lane + 32 * i] = __nv_cvt_float_to_fp8(r[i] * inv, __NV_SATFINITE, __NV_E4M3);
   if (lane == 0) *exp = int8_t(e);
 }
 
