@@ -49,7 +49,7 @@ __global__ void rmsnorm_kernel(float* y, const float* x, const float* w, int D, 
 // of q or of k (norm over the whole projection, which one block must see); q's segments first.
 // A thread per rotated pair where the block allows. RMSNorm over the segment, then RoPE, in place.
 // With kv.table (or kv.tables: token t's own sequence's), k's segments also write their rotated keys
-// and the values v to cache row pos[t] (FP8 pages: once the segment is rotated, a warp per head).
+// and the values v to cache row pos[t] (FP8 pages: a warp per row, below).
 // With `early`, what no kernel of the pass writes -- the position and page table (copied before
 // the pass's first kernel), the norm weights -- and what follows from them (the thread's first
 // pair's angle by powf / sincosf, its cache row) are taken before the wait for the q/k/v
