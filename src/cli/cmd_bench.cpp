@@ -25,7 +25,8 @@ int run_bench(const CommonOptions& c, const BenchOptions& b) {
   Sampler{sampling};  // refuses out-of-range values, naming them
   EngineOptions o = engine_options(c);  // --backend, --load-format, --kv... checked as by every command
   if (!b.config_file.empty()) {
-    if (c.load_format != "dummy") throw InputError("bench: --config FILE needs --load-format dummy");
+    if (c.load_format != "dummy")
+      throw InputError("bench: --config FILE needs --load-format dummy, not '" + c.load_format + "'");
     if (!c.model_dir.empty()) throw InputError("bench: give --model DIR or --config FILE, not both");
     o.model_dir = b.config_file;
   } else if (c.model_dir.empty()) {
