@@ -1,7 +1,8 @@
-// The merge of split-KV attention partials, shared by attention_decode's last block and the
-// combine launch after the tensor-core kernel. A partial row is (m, l, o[Dh]) per (head, split): m
-// the split's max score (natural-log units, -inf for a split with no visible key), l its sum of
-// e^(score - m), o its unnormalized P V; out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+// The merge of split-KV attention partials inside attention_decode's last block of a (token, KV
+// head); the combine launch after the tensor-core kernel has its own (kernels.cu). A partial row
+// is (m, l, o[Dh]) per (head, split): m the split's max score (natural-log units, -inf for a split
+// with no visible key), l its sum of e^(score - m), o its unnormalized P V;
+// out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 //
 // Why staged: the rows were just written by other blocks, so they live in L2, and a merge that
 // reads them where they are waits one L2 round trip for the maxima and then one per 8 splits it

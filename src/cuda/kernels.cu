@@ -3,7 +3,6 @@
 // switch. Plain CUDA C++ for sm_90; the GEMVs are in gemv.cu, the decode MoE in moe_decode.cu.
 #include "cuda/kernels.h"
 
-#include "cuda/attention_merge.cuh"
 #include "cuda/dependent_launch.cuh"
 #include "cuda/device_math.cuh"
 #include "cuda/kv_fp8.cuh"
@@ -306,15 +305,66 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_split_kernel(
   }
 }
 
-// grid T*H: merges the splits of one (t, h) (merge_splits: one L2 round trip where the rows fit in
-// buf_floats of shared memory -- up to 94 splits at Dh 128 in 48 KB --, else in chunks of splits;
-// ncu, H200, 40 splits: 9.8 us when it read them in place).
-__global__ void attention_combine_kernel(float* out, const float* partial, int n_splits, int Dh, int buf_floats) {
-  extern __shared__ __align__(16) float buf[];
-  __shared__ float Mh[1], scale[1];
+// grid T*H, kCombineWarps warps: the n_splits partial rows of one (t, h) merged into out[t, h].
+// Warp w takes splits w, w + kCombineWarps, ... in that order, kCombineRows rows' loads in flight at
+// once (L2 only: written by the kernel before), a lane dims lane, lane + 32, ..., and keeps an online
+// softmax state of its own; the warps' states then meet in shared memory in warp order, so the bits
+// do not depend on timing. Why not merge_splits (the rows staged block-wide, then a thread per
+// output walking every split in turn): at 128 splits (Qwen3 at 32k keys) that took two chunks and a
+// serial walk of 128 rows per thread, and added 9.2 us a layer to the captured step. With this
+// kernel the same step was 3.3% faster at 128 splits and 2% at 4096 keys' 16-20 (one H100,
+// docs/benchmarks.md "Long contexts").
+constexpr int kCombineWarps = 8, kCombineRows = 4;
+template <int DIMS>  // ceil(Dh / 32)
+__global__ void __launch_bounds__(kCombineWarps * 32) attention_combine_kernel(float* __restrict__ out,
+                                                                               const float* __restrict__ partial,
+                                                                               int n_splits, int Dh) {
+  __shared__ float s_acc[kCombineWarps][DIMS * 32], s_ml[kCombineWarps][2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = Dh + 2;
+  const float* p = partial + size_t(blockIdx.x) * n_splits * row;
   pdl_start();
-  const size_t th = blockIdx.x;
-  merge_splits<4>(out + th * Dh, partial + th * n_splits * (Dh + 2), 1, n_splits, Dh, buf, buf_floats, Mh, scale);
+  float M = -INFINITY, L = 0.f, acc[DIMS] = {};
+  for (int s0 = warp; s0 < n_splits; s0 += kCombineWarps * kCombineRows) {
+    float m[kCombineRows], l[kCombineRows], o[kCombineRows][DIMS];
+#pragma unroll
+    for (int r = 0; r < kCombineRows; ++r) {
+      const int s = s0 + r * kCombineWarps;
+      const float* pr = p + size_t(min(s, n_splits - 1)) * row;
+      m[r] = s < n_splits ? __ldcg(pr) : -INFINITY;
+      l[r] = s < n_splits ? __ldcg(pr + 1) : 0.f;
+#pragma unroll
+      for (int i = 0; i < DIMS; ++i) o[r][i] = s < n_splits && lane + 32 * i < Dh ? __ldcg(pr + 2 + lane + 32 * i) : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < kCombineRows; ++r) {  // -inf: no visible key yet (weights 0, no NaN)
+      const float Mn = fmaxf(M, m[r]), base = Mn == -INFINITY ? 0.f : Mn;
+      const float corr = expf(M - base), w = expf(m[r] - base);
+      L = fmaf(l[r], w, L * corr);
+#pragma unroll
+      for (int i = 0; i < DIMS; ++i) acc[i] = fmaf(o[r][i], w, acc[i] * corr);
+      M = Mn;
+    }
+  }
+  if (lane == 0) s_ml[warp][0] = M, s_ml[warp][1] = L;
+#pragma unroll
+  for (int i = 0; i < DIMS; ++i) s_acc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  float Mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; ++w) Mx = fmaxf(Mx, s_ml[w][0]);
+  const float base = Mx == -INFINITY ? 0.f : Mx;
+  float f[kCombineWarps], Lt = 0.f;
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; ++w) {
+    f[w] = expf(s_ml[w][0] - base);
+    Lt = fmaf(s_ml[w][1], f[w], Lt);
+  }
+  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) a = fmaf(s_acc[w][d], f[w], a);
+    out[size_t(blockIdx.x) * Dh + d] = a / Lt;
+  }
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -445,10 +495,11 @@ cudaError_t attention(float* out, const float* q, KvPages kv, const int32_t* pos
 cudaError_t attention_merge_splits(float* out, const float* partial, int T, int H, int Dh, int n_splits, cudaStream_t s) {
   if (T == 0) return cudaSuccess;
   if (n_splits < 1 || Dh < 1 || Dh > kAttnMaxDh) return cudaErrorInvalidValue;
-  // 48 KB in all without an opt-in: the kernel's static Mh and scale take their share.
-  const int buf_floats = std::min(merge_span(n_splits, Dh), (48 * 1024 - 64) / int(sizeof(float)));
-  return launch(attention_combine_kernel, T * H, Dh < 128 ? 32 : 128, size_t(buf_floats) * sizeof(float), s, out,
-                partial, n_splits, Dh, buf_floats);
+  const unsigned grid = unsigned(T * H), threads = kCombineWarps * 32;
+  if (Dh <= 32) return launch(attention_combine_kernel<1>, grid, threads, 0, s, out, partial, n_splits, Dh);
+  if (Dh <= 64) return launch(attention_combine_kernel<2>, grid, threads, 0, s, out, partial, n_splits, Dh);
+  if (Dh <= 128) return launch(attention_combine_kernel<4>, grid, threads, 0, s, out, partial, n_splits, Dh);
+  return launch(attention_combine_kernel<8>, grid, threads, 0, s, out, partial, n_splits, Dh);
 }
 
 cudaError_t fill_random_bf16(bf16* w, size_t n, uint64_t seed, float scale, cudaStream_t s) {

@@ -158,8 +158,8 @@ void attention_prefill_cases(std::initializer_list<PrefillCase> cases) {
         report(name + " P bf16", rel(dout.get(), h.ref), 5e-3);  // one BF16 rounding of P: measured <= 1.6e-3
       }
       // Key splits (merged by attention_merge_splits): 2, 3, and 40 (more shares than a short
-      // context has tiles: empty splits, -inf partials), and 200 (more rows than the combine's 48 KB
-      // hold at Dh 64 and 128: merged in chunks) where T * H is small, twice (same bits). Variants 2 .. 5.
+      // context has tiles: empty splits, -inf partials), and 200 (seven rounds of the combine's 32
+      // rows in flight, the last one partial) where T * H is small, twice (same bits). Variants 2 .. 5.
       int variant = 2;
       for (int splits : {2, 3, 40, 200}) {
         if (skip_variant(variant++) || (splits == 200 && c.T * c.H > 1024)) continue;
