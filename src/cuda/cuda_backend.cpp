@@ -393,10 +393,15 @@ class CudaBackend final : public Backend {
            tc_decode_keys(pieces[0].cache->length() + pieces[0].n, opts_.tc_decode_keys);
   }
   // The tensor-core decode's key splits: 4 per 1024 keys from 1024 on (at 4096 keys 3-6% faster per
-  // token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md).
-  // TIERMOE_CUDA_TC_SPLITS=N: N per 1024 keys instead (A/B timing).
-  int tc_decode_splits(int keys) const { return keys > 1024 ? (keys + 1023) / 1024 * tc_splits_per_1k_ : 0; }
-  int tc_splits_per_1k_ = 4;
+  // token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md), at most a block per
+  // multiprocessor (tc_split_cap_: from 8k keys on Qwen3's 4 KV heads).
+  // TIERMOE_CUDA_TC_SPLITS=N: N per 1024 keys instead (A/B timing; the cap still holds).
+  int tc_decode_splits(int keys) const {
+    if (keys <= 1024) return 0;
+    const int splits = (keys + 1023) / 1024 * tc_splits_per_1k_;
+    return tc_split_cap_ > 0 ? std::min(splits, tc_split_cap_) : splits;
+  }
+  int tc_splits_per_1k_ = 4, tc_split_cap_ = 0;
   // A decode batch's key splits: at most batch-1's count for its longest sequence (`most`), fewer
   // where the (sequence, KV head, split) blocks would come in waves (cuda::decode_batch_splits:
   // -4% .. -13% per step on the bench shapes at B = 8..64, docs/benchmarks.md "Decode batches: key
@@ -610,8 +615,10 @@ void CudaBackend::alloc_workspace() {
   decode_attention_ = cuda::attention_decode_supported(H, Hkv, Dh);
   decode_resident_blocks_ = cuda::attention_decode_resident_blocks(H, Hkv, Dh);
   decode_split_cap_ = cuda::attention_decode_split_cap(H, Hkv, Dh, opts_.kv_dtype == KvDType::FP8);
-  if (cuda::attention_prefill_supported(H, Hkv, Dh))
+  if (cuda::attention_prefill_supported(H, Hkv, Dh)) {
     tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
+    tc_split_cap_ = cuda::attention_prefill_decode_split_cap(Hkv);
+  }
   CUDA_CK(cudaMallocHost(&h_ids_, io(2) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, io(2) * 4));
   CUDA_CK(cudaMallocHost(&h_logits_, size_t(kPinnedLogitRows) * cfg_.vocab_size * 4));
