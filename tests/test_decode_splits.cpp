@@ -1,5 +1,6 @@
-// The decode batch's key-split rule (src/cuda/decode_splits.h; plain C++, so it is checked here
-// without a GPU): cost = waves x (tiles per split + 1), least cost, ties to the fewer splits.
+// The key-split rules (src/cuda/decode_splits.h; plain C++, so they are checked here without a GPU):
+// a decode batch's, cost = waves x (tiles per split + 1), least cost, ties to the fewer splits; one
+// sequence's on the tensor cores, 4 per 1024 keys up to a cap.
 #include <gtest/gtest.h>
 
 #include "cuda/decode_splits.h"
@@ -51,6 +52,19 @@ TEST(DecodeSplits, UnknownResidencyKeepsTheMost) {
   EXPECT_EQ(decode_batch_splits(4096, 64, 16, 0, 40), 40);
   EXPECT_EQ(decode_batch_splits(0, 64, 16, 792, 40), 40);
   EXPECT_EQ(decode_batch_splits(4096, 64, 16, 792, 0), 1);
+}
+
+// One sequence on the tensor cores: 4 per 1024 keys, stopped at the cap (33: 132 SMs, 4 KV heads).
+TEST(DecodeSplits, OneSequenceStopsAtTheCap) {
+  EXPECT_EQ(tc_decode_splits(1024, 4, 33), 0);        // one block per KV head
+  EXPECT_EQ(tc_decode_splits(1025, 4, 33), 8);
+  EXPECT_EQ(tc_decode_splits(4128, 4, 33), 20);       // under the cap: as before it
+  EXPECT_EQ(tc_decode_splits(8192, 4, 33), 32);
+  EXPECT_EQ(tc_decode_splits(8193, 4, 33), 33);       // 36 capped
+  EXPECT_EQ(tc_decode_splits(32800, 4, 33), 33);      // 132 capped
+  EXPECT_EQ(tc_decode_splits(32800, 4, 0), 132);      // no cap known
+  EXPECT_EQ(tc_decode_splits(4128, 4, 16), 16);       // 8 KV heads (Mixtral)
+  EXPECT_EQ(tc_decode_splits(32800, 1, 33), 33);      // TIERMOE_CUDA_TC_SPLITS=1
 }
 
 }  // namespace

@@ -392,15 +392,11 @@ class CudaBackend final : public Backend {
     return pieces.size() == 1 && pieces[0].n <= cuda::kGemvMaxT &&
            tc_decode_keys(pieces[0].cache->length() + pieces[0].n, opts_.tc_decode_keys);
   }
-  // The tensor-core decode's key splits: 4 per 1024 keys from 1024 on (at 4096 keys 3-6% faster per
-  // token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md), at most a block per
-  // multiprocessor (tc_split_cap_: from 8k keys on Qwen3's 4 KV heads).
+  // The tensor-core decode's key splits (decode_splits.h): 4 per 1024 keys from 1024 on (at 4096
+  // keys 3-6% faster per token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md), at most a
+  // block per multiprocessor (tc_split_cap_: from 8k keys on Qwen3's 4 KV heads, 4k on Mixtral's 8).
   // TIERMOE_CUDA_TC_SPLITS=N: N per 1024 keys instead (A/B timing; the cap still holds).
-  int tc_decode_splits(int keys) const {
-    if (keys <= 1024) return 0;
-    const int splits = (keys + 1023) / 1024 * tc_splits_per_1k_;
-    return tc_split_cap_ > 0 ? std::min(splits, tc_split_cap_) : splits;
-  }
+  int tc_decode_splits(int keys) const { return cuda::tc_decode_splits(keys, tc_splits_per_1k_, tc_split_cap_); }
   int tc_splits_per_1k_ = 4, tc_split_cap_ = 0;
   // A decode batch's key splits: at most batch-1's count for its longest sequence (`most`), fewer
   // where the (sequence, KV head, split) blocks would come in waves (cuda::decode_batch_splits:
