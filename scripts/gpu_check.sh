@@ -15,8 +15,8 @@
 #   the source overlays in trees/ (scripts/export_tree.sh; carry trees), each built here, timed interleaved; sanitize: compute-sanitizer on case ranges of the longest
 #   groups as parallel processes, spread over the machine's GPUs, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
 #   "Numerics, as measured" reports)
-# Binaries: $CHECK_BIN, else ./build-gpu/tiermoe_cuda_check if present (e.g. built elsewhere and
-# carried, when the machine lacks the tokenizer's libraries), else built here with CMake.
+# Binaries: $CHECK_BIN (e.g. built elsewhere and carried), else ./build-gpu/tiermoe_cuda_check,
+# built (or brought up to date) here with CMake.
 # $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere, unpacked to ./build-gpu first (about
 # 6 MB: with the tracked tree at 62.9 MiB it no longer fits the device's 64 MiB transfer, 2026-12-05):
 #   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD \
@@ -56,7 +56,10 @@ if [ "$MODE" = trees ]; then  # each overlay in trees/ (scripts/export_tree.sh) 
   done
   [ ${#tree_variants[@]} -gt 0 ] || { echo "trees: no overlay in trees/ (scripts/export_tree.sh REF LABEL; carry trees)"; exit 2; }
 fi
-if [ ! -x $C ]; then
+# Built here unless CHECK_BIN or CHECK_XZ gave a binary: also when build-gpu/ has one already, since
+# a machine kept warm between calls keeps build-gpu/ while the sources are this call's (ninja
+# rebuilds what changed; on 2026-12-07 a call that skipped the build timed the call before's binary).
+if [ -z "${CHECK_BIN:-}${CHECK_XZ:-}" ] || [ ! -x $C ]; then
   log build
   cmake -S tests/cuda -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIERMOE_DATA_DIR=$PWD > "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j16 --target tiermoe_cuda_check >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
