@@ -353,6 +353,11 @@ if [ "$MODE" = full ] || [ "$MODE" = benchonly ]; then
   bench olmoe-1b-7b.json 4000 64 2  # its context is 4096
   bench qwen3-30b-a3b.json 4096 64 2
   bench mixtral-8x7b.json 4096 32 2
+  # Long contexts (docs/benchmarks.md "Long contexts"): the Qwen3 shapes take 40960 positions,
+  # Mixtral 32768 (its weights need an H200).
+  bench qwen3-30b-a3b-L16-v8192.json 32768 32 1
+  bench qwen3-30b-a3b.json 32768 16 1
+  bench mixtral-8x7b.json 32000 16 1
 fi
 if [ "$MODE" != benchonly ] && command -v compute-sanitizer >/dev/null; then
   log memcheck
