@@ -305,9 +305,7 @@ cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int3
 constexpr int kPrefillTileKeys = 64;
 int attention_prefill_decode_resident_blocks(int Dh, bool split_p);
 // The most key splits one sequence's decode on the tensor cores takes: a block per multiprocessor
-// (0 if unknown). Why: at 16k and 32k keys on the Qwen3 shapes (4 KV heads) 33 splits beat 66 and
-// more (a second block per multiprocessor, or a second wave), and 17 (docs/benchmarks.md, "Long
-// contexts").
+// (0 if unknown); why, at tc_decode_splits (decode_splits.h).
 int attention_prefill_decode_split_cap(int Hkv);
 // attention_prefill's blocks of one sequence's T * G <= 8 query rows in the keys form (keys as the
 // MMA's rows; the default) or, off, in the row form of the blocks of up to 16 rows (A/B timing).
