@@ -142,35 +142,32 @@ struct TileShare {
 };
 
 // FP8 pages: a tile's codes, and per row the 16-byte block holding its exponent, come into a raw
-// area of shared memory by 16-byte cp.async (L2 only, as load_fp8_codes16: no stale L1 line of a row
-// the kernel before may still be writing) one tile ahead, and are dequantized into the tile's BF16
-// stage after the products of the tile before (store_fp8_tile). So the loads stay in flight during
+// set of shared memory by 16-byte cp.async (L2 only, as load_fp8_codes16: no stale L1 line of a row
+// the kernel before may still be writing), kFp8Sets tiles ahead, and are dequantized into the tile's
+// BF16 stage after the products of the tile before (store_fp8_tile). So the loads stay in flight during
 // the products, as BF16 pages' cp.async do, and hold no registers. Dequantized at once, a fetch
 // stalled the block on every tile (the Qwen3 16-layer shape at 4096 keys: 1.44 ms per token on FP8
 // pages against 1.05 on BF16, H100, 2026-12-05); held in registers across the products, the codes
-// took the keys form from 138 to 177 registers and left the row form (254) none.
-// Raw area: K codes [kTileK][DH], V codes [kTileK][DH], then two sets (by tile parity) of
-// [2 kTileK][kExpBlock]: row r's K exponent block at r, its V's at kTileK + r. A thread dequantizes
-// the code chunks it copied itself; the exponent blocks are shared by a row's threads, hence two
-// sets: the next tile's copies may start while a slower thread still reads this tile's.
+// took the keys form from 138 to 177 registers and left the row form (254) none. Why two sets, not
+// one: a tile of FP8 codes is half a BF16 tile's bytes, so one tile ahead kept half the bytes in
+// flight, and at 32k keys FP8 pages took 2% off a step whose K/V bytes they halve (H100, 2026-12-07).
+// A raw set: K codes [kTileK][DH], V codes [kTileK][DH], then [2 kTileK][kExpBlock]: row r's K
+// exponent block at r, its V's at kTileK + r. A thread dequantizes the code chunks it copied itself;
+// the exponent blocks are shared by a row's threads (a barrier after the copies' wait).
 constexpr int kExpBlock = 16;  // fp8_exp_block's bytes
+constexpr int kFp8Sets = 2;    // raw sets: the tiles in flight while a tile's products run
 template <int DH>
 struct Fp8Share {  // a thread's chunks of 16 codes: rows r0 + j RS, codes c .. c + 15
   static constexpr int CH = DH / 16, RS = kThreads / CH, J = kTileK / RS;
   static_assert(kThreads % CH == 0 && kTileK % RS == 0 && kThreads == 2 * kTileK, "one exponent block per thread");
   int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 16;
 };
-// Exponent set `set` of the raw area (uint8_t or const uint8_t).
-template <class Byte>
-__device__ __forceinline__ Byte* fp8_exp_set(Byte* raw, int dh, int set) {
-  return raw + 2 * kTileK * dh + set * 2 * kTileK * kExpBlock;
-}
-__host__ __device__ constexpr int fp8_raw_bytes(int dh) { return 2 * kTileK * dh + 2 * 2 * kTileK * kExpBlock; }
+__host__ __device__ constexpr int fp8_set_bytes(int dh) { return 2 * kTileK * (dh + kExpBlock); }
+__host__ __device__ constexpr int fp8_raw_bytes(int dh) { return kFp8Sets * fp8_set_bytes(dh); }
 // Keys [k0, k0 + kTileK) of KV head kvh's FP8 rows (those below k_end; the rest read the last valid
-// row, a valid address, and are stored as zeros) into raw, exponents into set `set`; one commit group.
+// row, a valid address, and are stored as zeros) into raw set `set`; one commit group.
 template <int DH>
-__device__ __forceinline__ void fetch_fp8_tile(uint8_t* raw, int set, const KvPages& kv, int Hkv, int kvh, int k0,
-                                               int k_end) {
+__device__ __forceinline__ void fetch_fp8_tile(uint8_t* set, const KvPages& kv, int Hkv, int kvh, int k0, int k_end) {
   const Fp8Share<DH> fs;
   const int rows = min(kTileK, k_end - k0);
   const size_t stride = size_t(Hkv) * DH;
@@ -179,23 +176,23 @@ __device__ __forceinline__ void fetch_fp8_tile(uint8_t* raw, int set, const KvPa
   for (int j = 0; j < fs.J; ++j) {
     const int r = fs.r0 + j * fs.RS;
     const size_t off = first + size_t(min(r, rows - 1)) * stride + fs.c;
-    cp_async16(raw + r * DH + fs.c, kv.fp8.k + off, true);
-    cp_async16(raw + (kTileK + r) * DH + fs.c, kv.fp8.v + off, true);
+    cp_async16(set + r * DH + fs.c, kv.fp8.k + off, true);
+    cp_async16(set + (kTileK + r) * DH + fs.c, kv.fp8.v + off, true);
   }
   const int r = threadIdx.x % kTileK;  // thread r copies row r's K exponent block, thread kTileK + r its V's
   const int8_t* e = (threadIdx.x < kTileK ? kv.fp8.k_exp : kv.fp8.v_exp) + (first + size_t(min(r, rows - 1)) * stride) / DH;
-  cp_async16(fp8_exp_set(raw, DH, set) + threadIdx.x * kExpBlock, fp8_exp_block(e), true);
+  cp_async16(set + 2 * kTileK * DH + threadIdx.x * kExpBlock, fp8_exp_block(e), true);
   cp_async_commit();
 }
 // The thread's chunks of a fetched tile (its copies complete: cp_async_wait; the exponent blocks
 // visible: a barrier after every thread's wait), dequantized into stage `stage` of ks / vs.
 template <int DH>
-__device__ __forceinline__ void store_fp8_tile(const uint8_t* raw, int set, __nv_bfloat16* ks, __nv_bfloat16* vs,
-                                               int stage, const KvPages& kv, int Hkv, int kvh, int k0, int k_end) {
+__device__ __forceinline__ void store_fp8_tile(const uint8_t* set, __nv_bfloat16* ks, __nv_bfloat16* vs, int stage,
+                                               const KvPages& kv, int Hkv, int kvh, int k0, int k_end) {
   constexpr int LD = smem_ld(DH);
   const Fp8Share<DH> fs;
   const int rows = min(kTileK, k_end - k0);
-  const uint8_t* eb = fp8_exp_set(raw, DH, set);
+  const uint8_t* eb = set + 2 * kTileK * DH;
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int j = 0; j < fs.J; ++j) {
@@ -204,8 +201,8 @@ __device__ __forceinline__ void store_fp8_tile(const uint8_t* raw, int set, __nv
     if (r < rows) {
       const int ke = int8_t(eb[r * kExpBlock + fp8_exp_byte(kv.fp8.k_exp, r, Hkv, kvh)]);  // a tile is a page
       const int ve = int8_t(eb[(kTileK + r) * kExpBlock + fp8_exp_byte(kv.fp8.v_exp, r, Hkv, kvh)]);
-      const uint4 kc = *reinterpret_cast<const uint4*>(raw + r * DH + fs.c);
-      const uint4 vc = *reinterpret_cast<const uint4*>(raw + (kTileK + r) * DH + fs.c);
+      const uint4 kc = *reinterpret_cast<const uint4*>(set + r * DH + fs.c);
+      const uint4 vc = *reinterpret_cast<const uint4*>(set + (kTileK + r) * DH + fs.c);
       k[0] = fp8x8_to_bf16x8(make_uint2(kc.x, kc.y), ke), k[1] = fp8x8_to_bf16x8(make_uint2(kc.z, kc.w), ke);
       v[0] = fp8x8_to_bf16x8(make_uint2(vc.x, vc.y), ve), v[1] = fp8x8_to_bf16x8(make_uint2(vc.z, vc.w), ve);
     }
@@ -249,38 +246,45 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* ks, __nv_bfloat16* v
 }
 
 // Tile `tile` of a block's keys (its first is first_tile) on its way into stage `stage`: BF16
-// pages by cp.async straight into the stage; FP8 pages into raw (exponent set tile & 1), dequantized
-// by finish_tile. All threads.
+// pages by cp.async straight into the stage; FP8 pages into raw set tile % kFp8Sets, dequantized by
+// finish_tile, and past the block's keys an empty commit group, so that every FP8 tile counts one
+// group and the waits' counts hold to the end. All threads.
 template <int DH, bool FP8>
 __device__ __forceinline__ void issue_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, uint8_t* raw, const KvPages& kv,
                                            int Hkv, int kvh, int first_tile, int tile, int k_end, int stage) {
-  if constexpr (FP8) fetch_fp8_tile<DH>(raw, tile & 1, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end);
-  else load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, (first_tile + tile) * kTileK, k_end, stage);
+  const int k0 = (first_tile + tile) * kTileK;
+  if constexpr (FP8) {
+    if (k0 < k_end) fetch_fp8_tile<DH>(raw + (tile % kFp8Sets) * fp8_set_bytes(DH), kv, Hkv, kvh, k0, k_end);
+    else cp_async_commit();
+  } else {
+    load_kv_tile<DH>(ks, vs, kv, Hkv, kvh, k0, k_end, stage);
+  }
 }
 // The end of iteration it of the tile loop: stage it & 1 consumed (a barrier) before the next
-// iteration's loads overwrite it; FP8 pages: tile it + 1, issued at iteration it's start, waited for
-// (its exponent blocks seen after the barrier) and dequantized into its stage, which await_tile's
-// barrier then makes visible. All threads.
+// iteration's loads overwrite it; FP8 pages: tile it + 1 waited for (tiles up to it + kFp8Sets are
+// issued, one group each), its exponent blocks seen after the barrier, and dequantized into its
+// stage, which await_tile's barrier then makes visible. All threads.
 template <int DH, bool FP8>
 __device__ __forceinline__ void finish_tile(__nv_bfloat16* ks, __nv_bfloat16* vs, uint8_t* raw, const KvPages& kv,
                                             int Hkv, int kvh, int first_tile, int it, int n_tiles, int k_end) {
   const bool fp8_next = FP8 && it + 1 < n_tiles;
-  if (fp8_next) cp_async_wait<0>();
+  if (fp8_next) cp_async_wait<kFp8Sets - 1>();
   __syncthreads();
   if constexpr (FP8)
     if (fp8_next)
-      store_fp8_tile<DH>(raw, (it + 1) & 1, ks, vs, (it + 1) & 1, kv, Hkv, kvh, (first_tile + it + 1) * kTileK, k_end);
+      store_fp8_tile<DH>(raw + ((it + 1) % kFp8Sets) * fp8_set_bytes(DH), ks, vs, (it + 1) & 1, kv, Hkv, kvh,
+                         (first_tile + it + 1) * kTileK, k_end);
 }
 
 // A block's keys: its query tokens t0 .. t0 + nt - 1 see keys 0 .. n_keys - 1, cut into gridDim.z
 // splits of whole tiles (computed here, so that a captured launch stays valid while a sequence
 // grows, and each query tile splits its own keys); the block takes split blockIdx.z, keys
-// [first_tile * kTileK, k_end) (maybe none). Its first tile goes into stage 0 -- before the wait for
-// the previous kernel where it lies wholly below first_new, the first position whose row this
-// pass writes (a decode step's new row, or a prompt chunk's first: kv_append writes the chunk's
-// rows just before, and only the wait promises that its writes are seen) -- then the wait. FP8
-// pages: the tile comes through raw (exponent set 0) and is dequantized before the return. All
-// threads.
+// [first_tile * kTileK, k_end) (maybe none). Its first tile goes into stage 0 (FP8 pages: its first
+// kFp8Sets tiles into the raw sets) -- before the wait for the previous kernel those that lie wholly
+// below first_new, the first position whose row this pass writes (a decode step's new row, or a
+// prompt chunk's first: kv_append writes the chunk's rows just before, and only the wait promises
+// that its writes are seen) -- then the wait. FP8 pages: the first tile is dequantized before the
+// return. All threads.
 struct BlockKeys {
   int p_lo, k_end, first_tile, n_tiles;
 };
@@ -296,31 +300,37 @@ __device__ __forceinline__ BlockKeys start_block_keys(__nv_bfloat16* ks, __nv_bf
   b.k_end = min(n_keys, k_begin + split_len);
   b.first_tile = k_begin / kTileK;
   b.n_tiles = max(0, (b.k_end - k_begin + kTileK - 1) / kTileK);
-  const bool early = b.n_tiles > 0 && (b.first_tile + 1) * kTileK <= first_new;
-  auto load_first = [&] { issue_tile<DH, FP8>(ks, vs, raw, kv, Hkv, kvh, b.first_tile, 0, b.k_end, 0); };
-  if (early) load_first();
+  const int first_loads = FP8 ? kFp8Sets : min(1, b.n_tiles);
+  auto load = [&](int tile) { issue_tile<DH, FP8>(ks, vs, raw, kv, Hkv, kvh, b.first_tile, tile, b.k_end, 0); };
+  int tile = 0;
+  for (; tile < first_loads && tile < b.n_tiles && (b.first_tile + tile + 1) * kTileK <= first_new; ++tile) load(tile);
   pdl_start();
-  if (b.n_tiles > 0 && !early) load_first();
+  for (; tile < first_loads; ++tile) load(tile);
   if constexpr (FP8)
     if (b.n_tiles > 0) {  // n_tiles is the block's: every thread meets the barrier
-      cp_async_wait<0>();
+      cp_async_wait<kFp8Sets - 1>();
       __syncthreads();
-      store_fp8_tile<DH>(raw, 0, ks, vs, 0, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end);
+      store_fp8_tile<DH>(raw, ks, vs, 0, kv, Hkv, kvh, b.first_tile * kTileK, b.k_end);
     }
   return b;
 }
 
-// Iteration it of the two-stage tile ring: tile it + 1's loads issued (load_tile(tile, stage)), tile
-// it's awaited by every thread; returns tile it's stage. All threads.
-template <class Load>
+// Iteration it of the two-stage tile ring; returns tile it's stage. BF16 pages: tile it + 1's loads
+// issued (load_tile(tile, stage)), tile it's awaited by every thread. FP8 pages: tile it, dequantized
+// by the iteration before (or start_block_keys), seen by every thread; then its raw set takes tile
+// it + kFp8Sets. All threads.
+template <bool FP8, class Load>
 __device__ __forceinline__ int await_tile(Load load_tile, int it, int n_tiles) {
-  if (it + 1 < n_tiles) {
+  if constexpr (FP8) {
+    __syncthreads();
+    load_tile(it + kFp8Sets, 0);
+  } else if (it + 1 < n_tiles) {
     load_tile(it + 1, (it + 1) & 1);
     cp_async_wait<1>();
   } else {
     cp_async_wait<0>();
   }
-  __syncthreads();
+  if constexpr (!FP8) __syncthreads();
   return it & 1;
 }
 
@@ -403,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(
   float o[DT][4] = {};                          // O rows (lane/4, lane/4 + 8), unnormalized
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's part of the sum
   for (int it = 0; it < n_tiles; ++it) {
-    const int stage = await_tile(load_tile, it, n_tiles);
+    const int stage = await_tile<FP8>(load_tile, it, n_tiles);
     const __nv_bfloat16* kt = ks + stage * kTileK * LD;
     const __nv_bfloat16* vt = vs + stage * kTileK * LD;
 
@@ -550,7 +560,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_keys_kernel(
   float o[KC][4] = {};  // O^T: dims 16 dt + quad (+ 8), columns 2 qi, +1; unnormalized
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // per column: running max (log2), this lane's sum
   for (int it = 0; it < n_tiles; ++it) {
-    const int stage = await_tile(load_tile, it, n_tiles);
+    const int stage = await_tile<FP8>(load_tile, it, n_tiles);
     const __nv_bfloat16* kt = ks + stage * kTileK * LD;
     const __nv_bfloat16* vt = vs + stage * kTileK * LD;
 
