@@ -732,7 +732,9 @@ int attention_prefill_decode_resident_blocks(int Dh, bool split_p) {
   return split_p ? decode_resident_blocks<128, true>() : decode_resident_blocks<128, false>();
 }
 
-int attention_prefill_decode_split_cap(int Hkv) { return Hkv > 0 && sm_count() > 0 ? std::max(1, sm_count() / Hkv) : 0; }
+int attention_prefill_decode_split_cap(int Hkv, bool fp8) {
+  return Hkv > 0 && sm_count() > 0 ? std::max(1, sm_count() * (fp8 ? 2 : 1) / Hkv) : 0;
+}
 
 bool attention_prefill_supported(int H, int Hkv, int Dh) {
   return Hkv > 0 && H % Hkv == 0 && H / Hkv <= kPrefillMaxG && (Dh == 64 || Dh == 128);

@@ -613,7 +613,7 @@ void CudaBackend::alloc_workspace() {
   decode_split_cap_ = cuda::attention_decode_split_cap(H, Hkv, Dh, opts_.kv_dtype == KvDType::FP8);
   if (cuda::attention_prefill_supported(H, Hkv, Dh)) {
     tc_resident_blocks_ = cuda::attention_prefill_decode_resident_blocks(Dh, opts_.flash_split_p);
-    tc_split_cap_ = cuda::attention_prefill_decode_split_cap(Hkv);
+    tc_split_cap_ = cuda::attention_prefill_decode_split_cap(Hkv, opts_.kv_dtype == KvDType::FP8);
   }
   CUDA_CK(cudaMallocHost(&h_ids_, io(2) * 4));
   CUDA_CK(cudaMallocHost(&h_pos_, io(2) * 4));

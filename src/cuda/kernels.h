@@ -305,8 +305,8 @@ cudaError_t attention_prefill(float* out, const float* q, KvPages kv, const int3
 constexpr int kPrefillTileKeys = 64;
 int attention_prefill_decode_resident_blocks(int Dh, bool split_p);
 // The most key splits one sequence's decode on the tensor cores takes: a block per multiprocessor
-// (0 if unknown); why, at tc_decode_splits (decode_splits.h).
-int attention_prefill_decode_split_cap(int Hkv);
+// on BF16 pages, two on FP8 pages (0 if unknown); why, at tc_decode_splits (decode_splits.h).
+int attention_prefill_decode_split_cap(int Hkv, bool fp8);
 // attention_prefill's blocks of one sequence's T * G <= 8 query rows in the keys form (keys as the
 // MMA's rows; the default) or, off, in the row form of the blocks of up to 16 rows (A/B timing).
 void set_attention_decode_keys_form(bool on);
