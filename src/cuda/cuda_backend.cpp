@@ -394,7 +394,8 @@ class CudaBackend final : public Backend {
   }
   // The tensor-core decode's key splits (decode_splits.h): 4 per 1024 keys from 1024 on (at 4096
   // keys 3-6% faster per token than 8 on Qwen3-30B-A3B and Mixtral, docs/benchmarks.md), at most a
-  // block per multiprocessor (tc_split_cap_: from 8k keys on Qwen3's 4 KV heads, 4k on Mixtral's 8).
+  // block per multiprocessor (tc_split_cap_: from 8k keys on Qwen3's 4 KV heads, 4k on Mixtral's 8;
+  // two on FP8 pages).
   // TIERMOE_CUDA_TC_SPLITS=N: N per 1024 keys instead (A/B timing; the cap still holds).
   int tc_decode_splits(int keys) const { return cuda::tc_decode_splits(keys, tc_splits_per_1k_, tc_split_cap_); }
   int tc_splits_per_1k_ = 4, tc_split_cap_ = 0;
