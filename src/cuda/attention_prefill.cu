@@ -149,8 +149,9 @@ struct TileShare {
 // stalled the block on every tile (the Qwen3 16-layer shape at 4096 keys: 1.44 ms per token on FP8
 // pages against 1.05 on BF16, H100, 2026-12-05); held in registers across the products, the codes
 // took the keys form from 138 to 177 registers and left the row form (254) none. Why two sets, not
-// one: a tile of FP8 codes is half a BF16 tile's bytes, so one tile ahead kept half the bytes in
-// flight, and at 32k keys FP8 pages took 2% off a step whose K/V bytes they halve (H100, 2026-12-07).
+// one: a tile of FP8 codes is half a BF16 tile's bytes, so one tile ahead kept half BF16's bytes in
+// flight; two took 1.2% off the Qwen3 16-layer shape's step at 4096 keys (1.032 -> 1.020 ms, H100,
+// 2026-12-07; level at 32k keys, where the split cap's two blocks per SM are what pays).
 // A raw set: K codes [kTileK][DH], V codes [kTileK][DH], then [2 kTileK][kExpBlock]: row r's K
 // exponent block at r, its V's at kTileK + r. A thread dequantizes the code chunks it copied itself;
 // the exponent blocks are shared by a row's threads (a barrier after the copies' wait).

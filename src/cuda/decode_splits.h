@@ -34,7 +34,7 @@ inline int decode_batch_splits(int keys, int tile_keys, int blocks_per_split, in
 // none). Why the cap: at 16k and 32k keys on Qwen3's 4 KV heads and BF16 pages, 33 splits beat 66
 // and more by 1-6% per token. Why two on FP8 pages: each block stalls on dequantizing every tile,
 // and a second block per SM runs its products meanwhile: 66 splits took 12-14% off the step at 32k
-// keys against 33 (one H100, docs/benchmarks.md "Long contexts" and "FP8 pages at long context").
+// keys against 33 (one H100, docs/benchmarks.md "FP8 pages at long context").
 inline int tc_decode_splits(int keys, int per_1k, int cap) {
   if (keys <= 1024) return 0;
   const int splits = (keys + 1023) / 1024 * per_1k;
