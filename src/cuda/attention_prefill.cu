@@ -325,13 +325,15 @@ __device__ __forceinline__ int await_tile(Load load_tile, int it, int n_tiles) {
   if constexpr (FP8) {
     __syncthreads();
     load_tile(it + kFp8Sets, 0);
-  } else if (it + 1 < n_tiles) {
+    return it & 1;
+  }
+  if (it + 1 < n_tiles) {
     load_tile(it + 1, (it + 1) & 1);
     cp_async_wait<1>();
   } else {
     cp_async_wait<0>();
   }
-  if constexpr (!FP8) __syncthreads();
+  __syncthreads();
   return it & 1;
 }
 
