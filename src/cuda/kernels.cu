@@ -138,16 +138,16 @@ __global__ void qk_norm_rope_kernel(float* q, float* k, const float* qn, const f
     for (int i = threadIdx.x; i < len; i += blockDim.x)
       reinterpret_cast<__nv_bfloat16*>(kv.v)[cache_at + i] = __float2bfloat16_rn(vin[size_t(t) * Hkv * Dh + first + i]);
   if (FP8 && append) {
-    auto quantize = [&](const float* x, int h, uint8_t* codes, int8_t* exps) {
+    auto store = [&](const float (&r)[kRowRegs], int h, uint8_t* codes, int8_t* exps) {
       const size_t at = cache_at + size_t(h) * Dh;  // the head's row in the pool, in values
-      float r[kRowRegs];
-      load_row_lanes(x + size_t(h) * Dh, Dh, r);
       quantize_fp8_row(r, Dh, codes + at, exps + at / Dh);
     };
-    if (values_apart && warp >= heads && warp < 2 * heads) {
-      const size_t at = cache_at + size_t(warp - heads) * Dh;
-      quantize_fp8_row(value_row, Dh, kv.fp8.v + at, kv.fp8.v_exp + at / Dh);
-    }
+    auto quantize = [&](const float* x, int h, uint8_t* codes, int8_t* exps) {
+      float r[kRowRegs];
+      load_row_lanes(x + size_t(h) * Dh, Dh, r);
+      store(r, h, codes, exps);
+    };
+    if (values_apart && warp >= heads && warp < 2 * heads) store(value_row, warp - heads, kv.fp8.v, kv.fp8.v_exp);
     __syncthreads();  // the block's rotated keys, written above, read by every warp
     const float* keys = keys_staged ? keys_rotated : v;
     for (int h = warp; h < heads; h += blockDim.x >> 5) {
