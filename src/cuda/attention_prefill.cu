@@ -165,6 +165,7 @@ struct Fp8Share {  // a thread's chunks of 16 codes: rows r0 + j RS, codes c .. 
 };
 __host__ __device__ constexpr int fp8_set_bytes(int dh) { return 2 * kTileK * (dh + kExpBlock); }
 __host__ __device__ constexpr int fp8_raw_bytes(int dh) { return kFp8Sets * fp8_set_bytes(dh); }
+__host__ __device__ constexpr int fp8_set_exps(int dh) { return 2 * kTileK * dh; }  // a set's exponent blocks, from its start
 // Keys [k0, k0 + kTileK) of KV head kvh's FP8 rows (those below k_end; the rest read the last valid
 // row, a valid address, and are stored as zeros) into raw set `set`; one commit group.
 template <int DH>
@@ -182,7 +183,7 @@ __device__ __forceinline__ void fetch_fp8_tile(uint8_t* set, const KvPages& kv, 
   }
   const int r = threadIdx.x % kTileK;  // thread r copies row r's K exponent block, thread kTileK + r its V's
   const int8_t* e = (threadIdx.x < kTileK ? kv.fp8.k_exp : kv.fp8.v_exp) + (first + size_t(min(r, rows - 1)) * stride) / DH;
-  cp_async16(set + 2 * kTileK * DH + threadIdx.x * kExpBlock, fp8_exp_block(e), true);
+  cp_async16(set + fp8_set_exps(DH) + threadIdx.x * kExpBlock, fp8_exp_block(e), true);
   cp_async_commit();
 }
 // The thread's chunks of a fetched tile (its copies complete: cp_async_wait; the exponent blocks
@@ -193,7 +194,7 @@ __device__ __forceinline__ void store_fp8_tile(const uint8_t* set, __nv_bfloat16
   constexpr int LD = smem_ld(DH);
   const Fp8Share<DH> fs;
   const int rows = min(kTileK, k_end - k0);
-  const uint8_t* eb = set + 2 * kTileK * DH;
+  const uint8_t* eb = set + fp8_set_exps(DH);
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int j = 0; j < fs.J; ++j) {
