@@ -82,9 +82,28 @@ std::vector<uint16_t> fp8_as_bf16(const std::vector<float>& x, int Dh) {
 
 }  // namespace
 
+cudaError_t fp8_dequantize_on_device(uint16_t* out, const uint8_t* codes, const int8_t* exps, int rows, int Dh);  // fp8_dequantize.cu
+
 // kv_append and qk_norm_rope's append into FP8 pages: every code and exponent as the twin's, bit for
 // bit, nothing else written; kv_copy_pages of the exponents' pages (Hkv bytes a row).
 void check_kv_fp8_writes() {
+  {  // the attention kernels' dequantize: every code (subnormals, both zeros, 448) at the format's least
+     // and largest exponents and between, bit for bit as fp8_dequantize_rows
+    const std::vector<int8_t> exps{-120, -119, -112, -9, -7, -1, 0, 1, 7, 100, 118};
+    const int rows = int(exps.size()), Dh = 256;
+    std::vector<uint8_t> codes(size_t(rows) * Dh);
+    for (size_t i = 0; i < codes.size(); ++i) codes[i] = uint8_t(i % Dh == 0x7f || i % Dh == 0xff ? 0x7e : i % Dh);  // 0x7f, 0xff: NaN, never written
+    std::vector<uint16_t> want(codes.size());
+    fp8_dequantize_rows(codes.data(), exps.data(), size_t(rows), Dh, want.data());
+    Dev<uint8_t> dc(codes);
+    Dev<int8_t> de(exps);
+    Dev<uint16_t> out(codes.size());
+    CK(fp8_dequantize_on_device(out.p, dc.p, de.p, rows, Dh));
+    const auto got = out.get();
+    const auto bad = std::mismatch(got.begin(), got.end(), want.begin()).first - got.begin();
+    report(fmt("fp8x8_to_bf16x8: 254 codes x %d exponents, bits exact", rows), got == want ? 0.0 : 1.0, 0.0,
+           got == want ? "" : fmt("first differs at code 0x%02x exponent %d", codes[bad], exps[bad / Dh]));
+  }
   struct C { int T, past, Hkv, Dh; };
   for (C c : {C{1, 0, 1, 16}, C{7, 33, 2, 64}, C{40, 300, 8, 128}, C{3, 17, 3, 96}, C{1, 4095, 16, 128}, C{5, 0, 4, 256}}) {
     const int n = c.past + c.T;
