@@ -543,6 +543,8 @@ TEST(TokenizerErrors, NameFileAndField) {
   EXPECT_TRUE(has(load_error(j.dump()), {"pre_tokenizer.pattern.Regex", "cannot compile"}));
   j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "x"}}}, {"behavior", "Sideways"}};
   EXPECT_TRUE(has(load_error(j.dump()), {"pre_tokenizer.behavior 'Sideways'"}));
+  j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Glob", "x"}}}, {"behavior", "Isolated"}};
+  EXPECT_TRUE(has(load_error(j.dump()), {"pre_tokenizer.pattern", "must have a \"String\" or \"Regex\" member"}));
 
   j = llama_like();
   j["normalizer"] = {{"type", "Precompiled"}};
@@ -550,6 +552,11 @@ TEST(TokenizerErrors, NameFileAndField) {
   j = llama_like();
   j["decoder"] = {{"type", "WordPiece"}};
   EXPECT_TRUE(has(load_error(j.dump()), {"decoder.type 'WordPiece' is not supported"}));
+  j["decoder"] = {{"type", "Replace"}, {"pattern", {{"Regex", "(unclosed"}}}, {"content", " "}};
+  EXPECT_TRUE(has(load_error(j.dump()), {"decoder.pattern.Regex", "cannot compile"}));
+  j = llama_like();
+  j["normalizer"] = {{"type", "Replace"}, {"pattern", "x"}, {"content", " "}};
+  EXPECT_TRUE(has(load_error(j.dump()), {"normalizer.pattern"}));
   j = llama_like();
   j["post_processor"] = {{"type", "Nope"}};
   EXPECT_TRUE(has(load_error(j.dump()), {"post_processor.type 'Nope' is not supported"}));

@@ -227,13 +227,7 @@ std::unique_ptr<Decoder> parse_decoder(const JsonNode& node) {
     return std::make_unique<MetaspaceDecoder>(single_char(node.get("replacement"), "\xE2\x96\x81"), strip_first);
   }
   if (type == "Replace") {
-    const JsonNode pattern = node.required("pattern");
-    pattern.expect_object();
-    const JsonNode lit = pattern.get("String"), re = pattern.get("Regex");
-    const JsonNode& which = lit.is_null() ? re : lit;
-    if (which.is_null()) pattern.fail("must have a \"String\" or \"Regex\" member");
-    return std::make_unique<ReplaceDecoder>(Regex(which.str(), !lit.is_null(), which.file() + ": " + which.path()),
-                                            node.required("content").str());
+    return std::make_unique<ReplaceDecoder>(parse_pattern(node.required("pattern")), node.required("content").str());
   }
   if (type == "Strip") {
     const JsonNode start = node.get("start"), stop = node.get("stop");

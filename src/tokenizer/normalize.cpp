@@ -202,14 +202,7 @@ std::unique_ptr<Normalizer> parse_normalizer(const JsonNode& node) {
   if (type == "Sequence") return std::make_unique<SequenceNormalizer>(node.parse_each("normalizers", parse_normalizer));
   if (type == "Prepend") return std::make_unique<PrependNormalizer>(node.required("prepend").str());
   if (type == "Replace") {
-    const JsonNode pattern = node.required("pattern");
-    pattern.expect_object();
-    const JsonNode lit = pattern.get("String"), re = pattern.get("Regex");
-    const JsonNode& which = lit.is_null() ? re : lit;
-    if (which.is_null()) pattern.fail("must have a \"String\" or \"Regex\" member");
-    return std::make_unique<ReplaceNormalizer>(
-        Regex(which.str(), !lit.is_null(), which.file() + ": " + which.path()),
-        node.required("content").str());
+    return std::make_unique<ReplaceNormalizer>(parse_pattern(node.required("pattern")), node.required("content").str());
   }
   if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD")
     return std::make_unique<UnicodeNormalizer>(icu_instance(type, type_node));

@@ -203,12 +203,7 @@ std::unique_ptr<PreTokenizer> parse_pre_tokenizer(const JsonNode& node) {
     return std::make_unique<ByteLevelPreTokenizer>(node.get("add_prefix_space").bool_or(true),
                                                    node.get("use_regex").bool_or(true));
   if (type == "Split") {
-    const JsonNode pattern = node.required("pattern");
-    pattern.expect_object();
-    const JsonNode lit = pattern.get("String"), re = pattern.get("Regex");
-    const JsonNode& which = lit.is_null() ? re : lit;
-    if (which.is_null()) pattern.fail("must have a \"String\" or \"Regex\" member");
-    return std::make_unique<RegexSplitPreTokenizer>(Regex(which.str(), !lit.is_null(), which.file() + ": " + which.path()),
+    return std::make_unique<RegexSplitPreTokenizer>(parse_pattern(node.required("pattern")),
                                                     parse_behavior(node.required("behavior")),
                                                     node.get("invert").bool_or(false));
   }

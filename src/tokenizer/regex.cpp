@@ -4,6 +4,7 @@
 #include <pcre2.h>
 
 #include "core/check.h"
+#include "tokenizer/json_node.h"
 
 namespace tiermoe {
 namespace {
@@ -82,6 +83,14 @@ void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t
     have_last = true;
     last_end = e;
   }
+}
+
+Regex parse_pattern(const JsonNode& pattern) {
+  pattern.expect_object();
+  const JsonNode lit = pattern.get("String"), re = pattern.get("Regex");
+  const JsonNode& which = lit.is_null() ? re : lit;
+  if (which.is_null()) pattern.fail("must have a \"String\" or \"Regex\" member");
+  return Regex(which.str(), !lit.is_null(), which.file() + ": " + which.path());
 }
 
 }  // namespace tiermoe

@@ -12,6 +12,8 @@ struct pcre2_real_code_8;
 
 namespace tiermoe {
 
+class JsonNode;
+
 class Regex {
  public:
   // `where` names the field for error messages ("tokenizer.json: pre_tokenizer.pattern.Regex").
@@ -31,5 +33,9 @@ class Regex {
   pcre2_real_code_8* code_ = nullptr;
   std::string where_;
 };
+
+// The regex of a tokenizer.json `pattern` member ({"String": text}, matched literally, or
+// {"Regex": pattern}), shared by the Replace normalizer and decoder and the Split pre-tokenizer.
+Regex parse_pattern(const JsonNode& pattern);
 
 }  // namespace tiermoe
