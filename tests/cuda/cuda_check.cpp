@@ -15,6 +15,8 @@
 //        tiermoe_cuda_check batchtable --config FILE [--ctx C] [--gen N] [--batches 1,8,32,64]
 //   decode steps of B streams under the A/B variants (before / grouped MoE / + batched attention)
 //   over the same prefilled caches, one JSON line per (B, variant).
+//        tiermoe_cuda_check codedtile
+//   a probe: coded K/V tiles decoded into the attention's BF16 stage against BF16 tiles (coded_tile.cu).
 //        tiermoe_cuda_check profile --config FILE [--ctx C]
 //   one decode step after a C-token prompt inside cudaProfilerStart/Stop, for
 //   `ncu --profile-from-start off` (the per-kernel time breakdown of a step).
@@ -27,12 +29,14 @@
 
 int sync_latency_main();  // sync_latency.cu
 int decode_chain_main();  // decode_chain.cu
+int coded_tile_main();    // coded_tile.cu
 
 namespace tiermoe::cuda_check {
 
 int check_main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "latency") == 0) return sync_latency_main();
   if (argc > 1 && std::strcmp(argv[1], "chain") == 0) return decode_chain_main();
+  if (argc > 1 && std::strcmp(argv[1], "codedtile") == 0) return coded_tile_main();
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) return profile_main(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "batchtable") == 0) return batchtable_main(argc, argv);
