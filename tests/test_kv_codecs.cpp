@@ -167,6 +167,30 @@ TEST(KvCodec, RopePairsBasisIsPairwisePcaAndCommutesWithRope) {
   }
 }
 
+// max_bits caps every slot of every stage, the allocation giving the budget to the other slots; without
+// the cap the same fit gives some slot more.
+TEST(KvCodec, MaxBitsCapsEverySlot) {
+  const int N = 512, Dh = 64;
+  const auto x = keys_like(N, Dh, 3);
+  CodecSpec spec;
+  spec.stage_bits = {2.5, 1.0};
+  spec.query_aware = false;
+  auto widest = [&](int max_bits, int* total) {
+    spec.max_bits = max_bits;
+    VqCodec c;
+    c.fit(spec, x.data(), N, Dh, {}, 7, 4);
+    int most = 0;
+    *total = 0;
+    for (const auto& st : c.stages)
+      for (const VqSlot& sl : st) most = std::max(most, sl.bits), *total += sl.bits;
+    return most;
+  };
+  int capped = 0, free = 0;
+  EXPECT_GT(widest(0, &free), 3);
+  EXPECT_EQ(widest(3, &capped), 3);
+  EXPECT_EQ(capped, free);  // 3.5 bits a channel fit under a cap of 3 per stage: the budget is all spent
+}
+
 // A page's rows brought back together (decode_page's path) equal them brought back one at a time,
 // with and without a mean, at head sizes the blocked loop takes (64, 128) and one it leaves to the
 // per-row loop (40), for row counts that do and do not fill its blocks of 4.
@@ -792,6 +816,7 @@ TEST(KvSpecConfig, BadKeysAreNamed) {
   EXPECT_NE(err(R"({"preset": "nope"})").find("nope"), std::string::npos);
   EXPECT_NE(err(R"({"middle": 8, "window": 64})").find("middle"), std::string::npos);
   EXPECT_NE(err(R"({"recode": true, "refit_rows": 1024})").find("recode"), std::string::npos);
+  EXPECT_NE(err(R"({"k": {"max_bits": 13}})").find("k.max_bits"), std::string::npos);
   EXPECT_EQ(err(R"({"preset": "rvq-tiers", "middle": 1024, "k": {"stage_bits": [1, 1]}})"), "no error");
   EXPECT_THROW(kv_preset("kivi3"), InputError);
   for (const auto& n : kv_preset_names()) EXPECT_NO_THROW(kv_spec_from_json({{"preset", n}}, "x")) << n;

@@ -425,7 +425,7 @@ void VqCodec::fit(const CodecSpec& spec, const float* x, int N, int Dh, const st
           const double v = R[size_t(n) * nr + slots[s].c0 + l];
           sv[s] += wr[size_t(slots[s].c0 + l)] * v * v / N;
         }
-    const int max_bits = std::min(spec.oblivious ? 6 : 10, 8 * spec.dim);
+    const int max_bits = std::min(spec.max_bits > 0 ? spec.max_bits : spec.oblivious ? 6 : 10, 8 * spec.dim);
     if (spec.allocate) {
       long budget = std::lround(spec.stage_bits[st] * nr);
       auto D = [&](size_t s, int b) {

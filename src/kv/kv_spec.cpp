@@ -127,6 +127,7 @@ void apply_codec(CodecSpec& c, const nlohmann::json& j, const std::string& where
     else if (k == "oblivious") c.oblivious = get_as<bool>(v, key);
     else if (k == "center") c.center = get_as<bool>(v, key);
     else if (k == "pre_rope") c.pre_rope = get_as<bool>(v, key);
+    else if (k == "max_bits") c.max_bits = get_as<int>(v, key);
     else throw InputError(key + ": unknown key");
   }
   if (c.kind != "vq" && c.kind != "fp8" && c.kind != "kivi" && c.kind != "bf16")
@@ -141,6 +142,7 @@ void apply_codec(CodecSpec& c, const nlohmann::json& j, const std::string& where
   for (double b : c.stage_bits)
     if (b < 0 || b * c.dim > 12) throw InputError(where + ".stage_bits: each stage needs 0 <= bits * dim <= 12");
   if (c.oblivious && !c.token_norm) throw InputError(where + ".oblivious: needs token_norm");
+  if (c.max_bits < 0 || c.max_bits > 12) throw InputError(where + ".max_bits: must be in [0, 12] (0: no cap of its own)");
 }
 
 }  // namespace
@@ -210,7 +212,7 @@ nlohmann::json kv_spec_to_json(const KvSpec& s) {
                           {"anchor_frac", c.anchor_frac}, {"dim", c.dim}, {"stage_bits", c.stage_bits},
                           {"allocate", c.allocate}, {"query_aware", c.query_aware}, {"token_norm", c.token_norm},
                           {"oblivious", c.oblivious}, {"center", c.center},
-                          {"pre_rope", c.pre_rope}};
+                          {"pre_rope", c.pre_rope}, {"max_bits", c.max_bits}};
   };
   if (s.exact)
     return {{"name", s.name},

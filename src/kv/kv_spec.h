@@ -36,6 +36,7 @@ struct CodecSpec {
   bool oblivious = false;    // data-oblivious codebooks (Gaussian Lloyd-Max levels)
   bool center = true;        // subtract the calibration mean (PCA only)
   bool pre_rope = false;     // keys: code them before RoPE (undone per position, redone on decode)
+  int max_bits = 0;          // most bits one slot of one stage may take (0: 10, or 6 when oblivious)
 };
 
 struct KvSpec {
