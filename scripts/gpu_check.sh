@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: check every CUDA kernel and model against the CPU, then time the
 # dummy-weight benchmarks. Logs and JSON go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|timeline|detail|batch|moe|ab|envs|fp8|trees|sanitize]   (quick: no large
+#   scripts/gpu_check.sh [full|quick|benchonly|again|profile|timeline|detail|batch|moe|ab|envs|fp8|trees|sanitize|codedtile]   (quick: no large
 #   published configs; benchonly: no correctness check; again: the kernel table repeated plus racecheck/
 #   initcheck; profile: per-kernel times of one decode step under ncu; timeline: the captured steps' kernels
 #   under nsys, what each adds to a step once overlapped (scripts/graph_timeline.py); detail: ncu's throughput,
@@ -14,7 +14,7 @@
 #   pages' checks, the models, then BF16 against FP8 pages (batch 1, interleaved); trees: this build against
 #   the source overlays in trees/ (scripts/export_tree.sh; carry trees), each built here, timed interleaved; sanitize: compute-sanitizer on case ranges of the longest
 #   groups as parallel processes, spread over the machine's GPUs, SAN_JOBS="tool group N:M;...", e.g. what docs/cuda.md's
-#   "Numerics, as measured" reports)
+#   "Numerics, as measured" reports; codedtile: the coded K/V tile loader probe, docs/cuda.md plan item 4)
 # Binaries: $CHECK_BIN (e.g. built elsewhere and carried), else ./build-gpu/tiermoe_cuda_check,
 # built (or brought up to date) here with CMake.
 # $CHECK_XZ: an xz-compressed tiermoe_cuda_check built elsewhere, unpacked to ./build-gpu first (about
@@ -124,7 +124,7 @@ for line in open(sys.argv[1]):
 PY
   log models; timeout ${MODELS_S:-150} $C --models-only 2>&1 | tee -a "$OUT/check.txt"
   grep -E "^(FAIL|==)" "$OUT/check.txt"; exit 0
-elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail|fp8|trees)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
+elif [[ ! "$MODE" =~ ^(benchonly|sampling|envs|profile|timeline|detail|fp8|trees|codedtile)$ ]]; then  # sampling, envs: the benchmarks alone; profile, detail: ncu alone; timeline: nsys alone
   log check
   timeout 240 $C 2>&1 | tee "$OUT/check.txt"
 fi
@@ -295,6 +295,9 @@ if [ "$MODE" = envs ]; then  # batch-1 benchmarks of this build under environmen
   IFS=';' read -ra env_variants <<< "${ENV_VARIANTS:-default}"
   bench_variants envs "${ENV_ROWS:-qwen3-30b-a3b-L16-v8192.json 4096 64 2}" "${ENV_ROUNDS:-2}" "${env_variants[@]}"
   exit 0
+fi
+if [ "$MODE" = codedtile ]; then  # the coded K/V tile loader probe (tests/cuda/coded_tile.cu): its checks, then JSON lines
+  timeout 300 $C codedtile | tee "$OUT/codedtile.txt"; exit "${PIPESTATUS[0]}"
 fi
 if [ "$MODE" = sampling ]; then  # same binary, two interleaved rounds
   # greedy; topk: the CLI's default sampling (the select path); topp: top-p alone (the sort path).

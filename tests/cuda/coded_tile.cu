@@ -5,17 +5,21 @@
 // tiles by cp.async straight into two stages, one tile ahead; coded tiles into two raw sets by
 // cp.async, two tiles ahead, each decoded into a stage after the tile before was read), and reads
 // every stage once (a checksum), the reads the attention's ldmatrix would make.
-// The coded form is the one that needs no dense unrotation: keys coded before RoPE in a basis that
-// commutes with it (k.rotation "rope_pairs", docs/kv_codecs.md), so a key decodes to its basis
-// coordinates and is turned by its position's angles pair by pair (the query is turned into the
-// basis once); values stay in their basis (summed there, unrotated once per query head). Per
+// Forms: bf16; fp8 (`--kv fp8-all`'s rows: codes [2][64][kDh], then the rows' exponents [2][64],
+// 8 codes at a time by the real loader's fp8x8_to_bf16x8: a reference point); pairs: keys coded
+// before RoPE in a basis that commutes with it (k.rotation "rope_pairs", docs/kv_codecs.md), so a
+// key decodes to its basis coordinates and is turned by its position's angles pair by pair (the
+// query is brought into the basis once); dense: the same codes without the turn, the keys
+// unrotated by an mma.sync product with a Dh x Dh basis (PCA keys, `default`'s form). Values stay
+// in their basis in both (summed there, unrotated once per query head). Per
 // channel c and stage s: b_sc bits (allocated, 0 .. 4), a codebook of 2^b_sc BF16 levels in shared
 // memory, one BF16 norm per token and K or V; the stages' levels are added, as VqCodec::decode does.
 // A tile's bytes (one KV head, kTileKeys keys): K codes, stage by stage and channel by channel, each
 // channel's codes of the tile together (8 b_sc bytes: token j's code at bit j b_sc), then V's, then
 // the K and V norms [2][kTileKeys] BF16; padded to 16 bytes.
 // Before timing, every form's stages are written out for a small case and held against a host
-// decode in double precision (codes, levels, norms and the turn: what could be read wrong).
+// decode in double precision (codes, levels, norms and the turn: what could be read wrong; FP8 bit
+// for bit against fp8_dequantize_rows).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,6 +31,8 @@
 #include <cuda_runtime.h>
 
 #include "cuda/device_math.cuh"
+#include "cuda/kv_fp8.cuh"
+#include "kv/fp8_rows.h"
 
 namespace {
 namespace cu = tiermoe::cuda;
@@ -164,7 +170,18 @@ __device__ __forceinline__ void unrotate_keys(bf16* ks, const bf16* ut) {
   }
 }
 
-enum class Form { bf16, pairs, dense };
+enum class Form { bf16, fp8, pairs, dense };
+constexpr int kFp8TileBytes = 2 * kTileKeys * kDh + 2 * kTileKeys;  // codes, then exponents (a multiple of 16)
+
+// An FP8 tile (codes [2][64][kDh], exponents [2][64]) into stage ks / vs: 8 codes a conversion.
+__device__ __forceinline__ void decode_fp8_tile(const uint8_t* raw, bf16* ks, bf16* vs) {
+  const int8_t* exps = reinterpret_cast<const int8_t*>(raw + 2 * kTileKeys * kDh);
+  for (int o = threadIdx.x; o < 2 * kTileKeys * (kDh / 8); o += kThreads) {
+    const int kv = o / (kTileKeys * kDh / 8), r = o / (kDh / 8) % kTileKeys, c = 8 * (o % (kDh / 8));
+    const uint2 codes = *reinterpret_cast<const uint2*>(raw + (kv * kTileKeys + r) * kDh + c);
+    *reinterpret_cast<uint4*>((kv ? vs : ks) + r * kLd + c) = cu::fp8x8_to_bf16x8(codes, exps[kv * kTileKeys + r]);
+  }
+}
 
 // Reads a stage as the attention would (16-byte rows), into a checksum; DUMP: writes it out instead.
 template <bool DUMP>
@@ -189,7 +206,8 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
   bf16* ks = reinterpret_cast<bf16*>(smem4);
   bf16* vs = ks + 2 * kTileKeys * kLd;
   bf16* sbook = vs + 2 * kTileKeys * kLd;  // coded: [2][stages][kLevels][kDh], as L.book
-  uint8_t* raw = reinterpret_cast<uint8_t*>(sbook + (F == Form::bf16 ? 0 : 2 * kMaxStages * kLevels * kDh));
+  constexpr bool kBooks = F == Form::pairs || F == Form::dense;
+  uint8_t* raw = reinterpret_cast<uint8_t*>(sbook + (kBooks ? 2 * kMaxStages * kLevels * kDh : 0));
   bf16* ut = reinterpret_cast<bf16*>(raw + (F == Form::bf16 ? 0 : kSets * L.tile_bytes));  // dense: U^T
   const int p_first = (blockIdx.x % per_head) * n_tiles * kTileKeys;
   const uint8_t* tiles = src + size_t(blockIdx.x) * n_tiles * L.tile_bytes;
@@ -215,7 +233,8 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
       __syncthreads();
     }
   } else {
-    for (int o = threadIdx.x; o < 2 * L.stages * kLevels * kDh / 8; o += kThreads) cu::cp_async16(sbook + 8 * o, L.book + 8 * o, true);
+    if constexpr (kBooks)
+      for (int o = threadIdx.x; o < 2 * L.stages * kLevels * kDh / 8; o += kThreads) cu::cp_async16(sbook + 8 * o, L.book + 8 * o, true);
     if constexpr (F == Form::dense)
       for (int o = threadIdx.x; o < kDh * kDh / 8; o += kThreads)
         cu::cp_async16(ut + (o / (kDh / 8)) * kLd + 8 * (o % (kDh / 8)), ut_g + 8 * o, true);
@@ -228,7 +247,8 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
     const ThreadCodes tc(L);
     auto decode = [&](int t) {  // tile t (its raw set complete and seen) into stage t & 1
       bf16 *k = ks + (t & 1) * kTileKeys * kLd, *v = vs + (t & 1) * kTileKeys * kLd;
-      decode_tile<F == Form::pairs>(raw + (t % kSets) * L.tile_bytes, k, v, L, tc, sbook, p_first + t * kTileKeys);
+      if constexpr (F == Form::fp8) decode_fp8_tile(raw + (t % kSets) * L.tile_bytes, k, v);
+      else decode_tile<F == Form::pairs>(raw + (t % kSets) * L.tile_bytes, k, v, L, tc, sbook, p_first + t * kTileKeys);
       if constexpr (F == Form::dense) {
         __syncthreads();
         unrotate_keys(k, ut);
@@ -253,8 +273,8 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
 
 size_t smem_of(Form f, int tile_bytes) {
   if (f == Form::bf16) return kStageBytes;
-  return kStageBytes + size_t(2) * kMaxStages * kLevels * kDh * sizeof(bf16) + size_t(kSets) * tile_bytes +
-         (f == Form::dense ? size_t(kDh) * kLd * sizeof(bf16) : 0);
+  const size_t books = f == Form::fp8 ? 0 : size_t(2) * kMaxStages * kLevels * kDh * sizeof(bf16);
+  return kStageBytes + books + size_t(kSets) * tile_bytes + (f == Form::dense ? size_t(kDh) * kLd * sizeof(bf16) : 0);
 }
 
 template <Form F, bool DUMP>
@@ -271,11 +291,28 @@ cudaError_t launch(int blocks, const uint8_t* src, const CodedLayout& L, int n_t
   return cudaGetLastError();
 }
 
+template <Form F>
+int occupancy_of(int tile_bytes) {  // resident blocks per SM at this form's shared memory
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, loader_kernel<F, false>, kThreads, smem_of(F, tile_bytes));
+  return n;
+}
+int blocks_per_sm(Form f, int tile_bytes) {
+  switch (f) {
+    case Form::bf16: return occupancy_of<Form::bf16>(tile_bytes);
+    case Form::fp8: return occupancy_of<Form::fp8>(tile_bytes);
+    case Form::pairs: return occupancy_of<Form::pairs>(tile_bytes);
+    default: return occupancy_of<Form::dense>(tile_bytes);
+  }
+}
+
 cudaError_t launch_form(Form f, bool dump, int blocks, const uint8_t* src, const CodedLayout& L, int n_tiles, int per_head,
                         const bf16* ut, uint32_t* sum, uint4* out, cudaStream_t s) {
   switch (f) {
     case Form::bf16: return dump ? launch<Form::bf16, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
                                  : launch<Form::bf16, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
+    case Form::fp8: return dump ? launch<Form::fp8, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
+                                : launch<Form::fp8, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
     case Form::pairs: return dump ? launch<Form::pairs, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
                                   : launch<Form::pairs, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
     default: return dump ? launch<Form::dense, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
@@ -447,24 +484,52 @@ struct DevCoded {
   }
 };
 
-const char* form_name(Form f) { return f == Form::bf16 ? "bf16" : f == Form::pairs ? "pairs" : "dense"; }
+const char* form_name(Form f) {
+  return f == Form::bf16 ? "bf16" : f == Form::fp8 ? "fp8" : f == Form::pairs ? "pairs" : "dense";
+}
+
+// n FP8 tiles of random rows (fp8_quantize_rows: valid codes and exponents); want (optional): their
+// values [n][2][64][kDh] as fp8_dequantize_rows gives them.
+std::vector<uint8_t> fp8_tiles(size_t n, std::mt19937& g, std::vector<double>* want) {
+  std::vector<uint8_t> tiles(n * kFp8TileBytes);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(size_t(2) * kTileKeys * kDh);
+  std::vector<uint16_t> bits(x.size());
+  if (want) want->resize(n * x.size());
+  for (size_t t = 0; t < n; ++t) {
+    for (auto& v : x) v = nd(g) * std::ldexp(1.f, int(g() % 9) - 4);
+    uint8_t* p = tiles.data() + t * kFp8TileBytes;
+    int8_t* e = reinterpret_cast<int8_t*>(p + x.size());
+    tiermoe::fp8_quantize_rows(x.data(), 2 * kTileKeys, kDh, p, e);
+    if (!want) continue;
+    tiermoe::fp8_dequantize_rows(p, e, 2 * kTileKeys, kDh, bits.data());
+    for (size_t i = 0; i < x.size(); ++i) (*want)[t * x.size() + i] = bf16_value(bits[i]);
+  }
+  return tiles;
+}
 
 // Every form's stages for a small case against the host: worst |device - host| over max(|host|, 1),
 // which BF16 rounding keeps near 2^-9 (and the turn's running angles near 1e-6).
 int check_forms(int* failures) {
   std::mt19937 g(7);
   const int per_head = 3, heads = 2, n_tiles = 3, blocks = heads * per_head, positions = per_head * n_tiles * kTileKeys;
+  const size_t n = size_t(blocks) * n_tiles, tile_values = size_t(2) * kTileKeys * kDh;
   for (int stages = 1; stages <= kMaxStages; ++stages)
-    for (Form f : {Form::bf16, Form::pairs, Form::dense}) {
+    for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense}) {
+      if ((f == Form::bf16 || f == Form::fp8) && stages > 1) continue;
       HostCoded h(stages, 3.0, 2.0, positions, g);
-      if (f == Form::bf16) h.tile_bytes = 2 * kTileKeys * kDh * 2;
-      const size_t n = size_t(blocks) * n_tiles;
-      std::vector<uint16_t> bf(f == Form::bf16 ? n * 2 * kTileKeys * kDh : 0);
+      std::vector<double> want_all;  // bf16, fp8: every tile's values, [n][2][64][kDh]
       if (f == Form::bf16) {
         std::normal_distribution<float> nd(0.f, 1.f);
+        std::vector<uint16_t> bf(n * tile_values);
         for (auto& v : bf) v = bf16_bits(nd(g));
+        h.tile_bytes = int(tile_values * 2);
         h.tiles.resize(bf.size() * 2);
         std::memcpy(h.tiles.data(), bf.data(), h.tiles.size());
+        for (uint16_t v : bf) want_all.push_back(bf16_value(v));
+      } else if (f == Form::fp8) {
+        h.tile_bytes = kFp8TileBytes;
+        h.tiles = fp8_tiles(n, g, &want_all);
       } else {
         h.fill_tiles(n, g);
       }
@@ -475,27 +540,27 @@ int check_forms(int* failures) {
       LK(d.up(h, positions));
       LK(src.up(h.tiles));
       LK(sum.up(std::vector<uint32_t>(1, 0)));
-      LK(cudaMalloc(&dump.p, n * 2 * kTileKeys * kDh * 2));
+      LK(cudaMalloc(&dump.p, n * tile_values * 2));
       LK(launch_form(f, true, blocks, src.p, d.L, n_tiles, per_head, d.ut.p, sum.p, dump.p, 0));
       LK(cudaDeviceSynchronize());
-      std::vector<uint16_t> got(n * 2 * kTileKeys * kDh);
+      std::vector<uint16_t> got(n * tile_values);
       LK(cudaMemcpy(got.data(), dump.p, got.size() * 2, cudaMemcpyDeviceToHost));
       double worst = 0;
       std::vector<double> want;
       for (int b = 0; b < blocks; ++b)
         for (int t = 0; t < n_tiles; ++t) {
           const size_t tile = size_t(b) * n_tiles + t;
-          if (f == Form::bf16) {
-            want.resize(size_t(2) * kTileKeys * kDh);
-            for (size_t e = 0; e < want.size(); ++e) want[e] = bf16_value(bf[tile * want.size() + e]);
-          } else {
+          if (want_all.empty())
             h.decode(h.tiles.data() + tile * h.tile_bytes, (b % per_head) * n_tiles * kTileKeys + t * kTileKeys,
                      f == Form::pairs, f == Form::dense, want);
-          }
-          for (size_t e = 0; e < want.size(); ++e)
-            worst = std::max(worst, std::fabs(bf16_value(got[tile * want.size() + e]) - want[e]) / std::max(std::fabs(want[e]), 1.0));
+          else
+            want.assign(want_all.begin() + long(tile * tile_values), want_all.begin() + long((tile + 1) * tile_values));
+          for (size_t e = 0; e < tile_values; ++e)
+            worst = std::max(worst, std::fabs(bf16_value(got[tile * tile_values + e]) - want[e]) / std::max(std::fabs(want[e]), 1.0));
         }
-      const bool ok = worst <= (f == Form::bf16 ? 0.0 : f == Form::dense ? 2e-2 : 8e-3);
+      // bf16, fp8: bit for bit; coded: BF16 rounding (2^-9) and the turn's running angles; dense: the
+      // product's FP32 sums of BF16 inputs, rounded to BF16.
+      const bool ok = worst <= (f == Form::bf16 || f == Form::fp8 ? 0.0 : f == Form::dense ? 2e-2 : 8e-3);
       std::printf("%s codedtile check %s stages %d: worst %.2e\n", ok ? "ok  " : "FAIL", form_name(f), stages, worst);
       *failures += !ok;
     }
@@ -525,14 +590,16 @@ int coded_tile_main() {
   for (const Shape& sh : {Shape{"qwen3-4096", 4, 4096}, Shape{"olmoe-4096", 16, 4096}, Shape{"qwen3-32768", 4, 32768},
                           Shape{"olmoe-32768", 16, 32768}})
     for (int stages = 1; stages <= kMaxStages; ++stages)
-      for (Form f : {Form::bf16, Form::pairs, Form::dense}) {
-        if (f == Form::bf16 && stages > 1) continue;
+      for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense}) {
+        if ((f == Form::bf16 || f == Form::fp8) && stages > 1) continue;
         const int n_tiles = 4, per_head = sh.keys / (n_tiles * kTileKeys), blocks = sh.heads * per_head;
         HostCoded h(stages, 4.0, 1.75, sh.keys, g);
         if (f == Form::bf16) h.tile_bytes = 2 * kTileKeys * kDh * 2;
+        if (f == Form::fp8) h.tile_bytes = kFp8TileBytes;
         const size_t set_bytes = size_t(blocks) * n_tiles * h.tile_bytes;
         const int copies = int(std::max<size_t>(1, (size_t(256) << 20) / set_bytes));
-        h.fill_tiles(size_t(blocks) * n_tiles, g);  // bf16: any bytes are values to copy
+        if (f == Form::fp8) h.tiles = fp8_tiles(size_t(blocks) * n_tiles, g, nullptr);
+        else h.fill_tiles(size_t(blocks) * n_tiles, g);  // bf16: any bytes are values to copy
         DevCoded d;
         Dev<uint8_t> src;
         Dev<uint32_t> sum;
@@ -564,9 +631,10 @@ int coded_tile_main() {
         std::sort(per_launch.begin(), per_launch.end());
         const float us = per_launch[per_launch.size() / 2];
         std::printf("{\"probe\": \"codedtile\", \"shape\": \"%s\", \"form\": \"%s\", \"stages\": %d, \"blocks\": %d, "
-                    "\"tile_bytes\": %d, \"us_per_launch\": %.2f, \"bytes_gb_per_s\": %.0f, \"keys_per_us_per_head\": %.0f}\n",
-                    sh.name, form_name(f), f == Form::bf16 ? 0 : stages, blocks, h.tile_bytes, us, double(set_bytes) / us / 1e3,
-                    double(sh.keys) / us);
+                    "\"blocks_per_sm\": %d, \"tile_bytes\": %d, \"us_per_launch\": %.2f, \"bytes_gb_per_s\": %.0f, "
+                    "\"keys_per_us_per_head\": %.0f}\n",
+                    sh.name, form_name(f), f == Form::bf16 || f == Form::fp8 ? 0 : stages, blocks,
+                    blocks_per_sm(f, h.tile_bytes), h.tile_bytes, us, double(set_bytes) / us / 1e3, double(sh.keys) / us);
       }
   std::printf("codedtile: %d check failures\n", failures);
   return failures ? 1 : 0;
