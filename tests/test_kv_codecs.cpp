@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <sstream>
 
@@ -360,6 +361,63 @@ TEST(KvCodec, ScalarKmeansWalkEqualsFullScan) {
       const float w = 0.37f;
       const auto walk = kmeans(x, N, 1, K, &w, 3, 30), scan = kmeans(x, N, 1, K, &w, 3, 30, true);
       ASSERT_EQ(walk, scan) << "data " << data << " K " << K;
+    }
+}
+
+// kmeans stops once its assignment settles; a plain Lloyd loop that runs every iteration (the same
+// initialization, nearest centroid by a full scan, sums in point order) gives the same bits, for
+// iteration counts below and past the point where it settles, scalar and 4-dim rows.
+TEST(KvCodec, KmeansStoppingEarlyEqualsEveryIteration) {
+  auto lloyd = [](const std::vector<float>& x, int N, int len, int K, const float* w, uint64_t seed, int iters) {
+    std::vector<float> c(size_t(K) * len);
+    if (len == 1) {
+      std::vector<int> a(static_cast<size_t>(N));
+      std::iota(a.begin(), a.end(), 0);
+      std::sort(a.begin(), a.end(), [&](int p, int q) { return x[size_t(p)] < x[size_t(q)]; });
+      for (int k = 0; k < K; ++k) c[size_t(k)] = x[size_t(a[std::min<size_t>(size_t(N) - 1, size_t((k + 0.5) * N / K))])];
+    } else {  // K distinct random rows (a partial Fisher-Yates shuffle)
+      std::mt19937_64 rng(seed);
+      std::vector<int> idx(static_cast<size_t>(N));
+      std::iota(idx.begin(), idx.end(), 0);
+      for (int k = 0; k < K; ++k) {
+        std::swap(idx[size_t(k)], idx[size_t(k + int(rng() % uint64_t(N - k)))]);
+        std::copy_n(x.data() + size_t(idx[size_t(k)]) * len, len, c.data() + size_t(k) * len);
+      }
+    }
+    for (int it = 0; it < iters; ++it) {
+      std::vector<double> sum(c.size(), 0.0);
+      std::vector<int> cnt(static_cast<size_t>(K), 0);
+      for (int i = 0; i < N; ++i) {
+        int best = 0;
+        float bd = INFINITY;
+        for (int k = 0; k < K; ++k) {
+          float d = 0;
+          for (int l = 0; l < len; ++l) {
+            const float e = x[size_t(i) * len + l] - c[size_t(k) * len + l];
+            d += w[l] * e * e;
+          }
+          if (d < bd) bd = d, best = k;
+        }
+        cnt[size_t(best)]++;
+        for (int l = 0; l < len; ++l) sum[size_t(best) * len + l] += x[size_t(i) * len + l];
+      }
+      for (int k = 0; k < K; ++k)
+        if (cnt[size_t(k)] > 0)
+          for (int l = 0; l < len; ++l) c[size_t(k) * len + l] = float(sum[size_t(k) * len + l] / cnt[size_t(k)]);
+    }
+    return c;
+  };
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> nd;
+  const float w[4] = {0.37f, 1.f, 2.5f, 0.8f};
+  for (int len : {1, 4})
+    for (int K : {2, 4, 16, 64}) {
+      const int N = 1500;
+      std::vector<float> x(size_t(N) * len);
+      for (auto& v : x) v = nd(rng);
+      for (int iters : {1, 2, 3, 10, 60})
+        ASSERT_EQ(kmeans(x, N, len, K, w, 3, iters, /*full_scan=*/true), lloyd(x, N, len, K, w, 3, iters))
+            << "len " << len << " K " << K << " iters " << iters;
     }
 }
 

@@ -142,7 +142,13 @@ std::vector<float> kmeans(const std::vector<float>& x, int N, int len, int K, co
   // nearest centroid is found by walking from the previous point's, the points in ascending order
   // (a few distances per point instead of K). The walk's answer is kept only where it is provably
   // nearest_centroid's (the centroid before it strictly farther); otherwise the full scan.
+  // Stops once an iteration assigns every point as the one before did: its centroids (each the mean
+  // of the same points; an empty cluster keeps its own) are then the ones it started from, and so
+  // would be every later iteration's: the result of all `iters`, sooner.
+  std::vector<int> before;
   for (int it = 0; it < iters; ++it) {
+    if (it > 1 && assign == before) break;  // two real assignments (the first holds no earlier one)
+    before = assign;
     if (len == 1 && !full_scan && std::is_sorted(c.begin(), c.end())) {
       int k = 0;
       for (int i : ascending) {
