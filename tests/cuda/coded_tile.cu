@@ -343,8 +343,8 @@ struct HostCoded {
   std::vector<uint8_t> tiles;          // [n][tile_bytes]
 
   // Widths averaging about k_bits / v_bits per value over the stages (the first stage the larger
-  // share), each channel's in 0 .. 8, some 0 (channels with no bits), seeded.
-  HostCoded(int stages_, double k_bits, double v_bits, int positions, std::mt19937& g) : stages(stages_) {
+  // share), each channel's in 0 .. kMaxBits, some 0 (channels with no bits), seeded.
+  HostCoded(int stages_, double k_bits, double v_bits, std::mt19937& g) : stages(stages_) {
     off.resize(size_t(2) * stages * kDh);
     bits.resize(off.size());
     int o = 0;
@@ -366,7 +366,6 @@ struct HostCoded {
     for (auto& v : book) v = bf16_bits(nd(g));
     theta.resize(kPairs);
     for (int i = 0; i < kPairs; ++i) theta[size_t(i)] = float(std::pow(1.0e4, -2.0 * i / kDh));
-    (void)positions;
     // U: a random orthonormal basis (Gram-Schmidt on Gaussian rows), as BF16.
     std::vector<double> U(size_t(kDh) * kDh);
     for (auto& v : U) v = nd(g);
@@ -517,7 +516,7 @@ int check_forms(int* failures) {
   for (int stages = 1; stages <= kMaxStages; ++stages)
     for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense}) {
       if ((f == Form::bf16 || f == Form::fp8) && stages > 1) continue;
-      HostCoded h(stages, 3.0, 2.0, positions, g);
+      HostCoded h(stages, 3.0, 2.0, g);
       std::vector<double> want_all;  // bf16, fp8: every tile's values, [n][2][64][kDh]
       if (f == Form::bf16) {
         std::normal_distribution<float> nd(0.f, 1.f);
@@ -593,7 +592,7 @@ int coded_tile_main() {
       for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense}) {
         if ((f == Form::bf16 || f == Form::fp8) && stages > 1) continue;
         const int n_tiles = 4, per_head = sh.keys / (n_tiles * kTileKeys), blocks = sh.heads * per_head;
-        HostCoded h(stages, 4.0, 1.75, sh.keys, g);
+        HostCoded h(stages, 4.0, 1.75, g);
         if (f == Form::bf16) h.tile_bytes = 2 * kTileKeys * kDh * 2;
         if (f == Form::fp8) h.tile_bytes = kFp8TileBytes;
         const size_t set_bytes = size_t(blocks) * n_tiles * h.tile_bytes;
