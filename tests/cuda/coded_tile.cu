@@ -30,8 +30,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/dtype.h"
 #include "cuda/device_math.cuh"
 #include "cuda/kv_fp8.cuh"
+#include "cuda/probe_step.cuh"
 #include "kv/fp8_rows.h"
 
 namespace {
@@ -43,15 +45,6 @@ constexpr int kDh = 128, kPairs = kDh / 2, kTileKeys = 64, kThreads = 128, kLd =
 constexpr int kMaxBits = 4, kLevels = 1 << kMaxBits, kMaxStages = 2, kSets = 2;
 static_assert(kThreads == 2 * kPairs, "thread t: pair t % 64 (channels i, i + 64), tokens of half t / 64");
 constexpr size_t kStageBytes = size_t(2) * 2 * kTileKeys * kLd * sizeof(bf16);  // K and V, two stages
-
-#define LK(x)                                                                                   \
-  do {                                                                                          \
-    const cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::printf("codedtile: %s failed: %s\n", #x, cudaGetErrorString(e_));                    \
-      return 1;                                                                                 \
-    }                                                                                           \
-  } while (0)
 
 // What a block needs besides its tiles: per stage and channel the codes' byte offset in a tile and
 // width, the codebooks [stage][level][channel] (level-major: a warp's lanes read 32 channels of
@@ -320,17 +313,6 @@ cudaError_t launch_form(Form f, bool dump, int blocks, const uint8_t* src, const
   }
 }
 
-float bf16_value(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t bf16_bits(float f) {  // round to nearest even (finite values)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // The host's side of one coded format: widths, offsets, codebooks, angles, and the tiles.
 struct HostCoded {
@@ -363,7 +345,7 @@ struct HostCoded {
     tile_bytes = (o + 2 * kTileKeys * 2 + 15) / 16 * 16;
     book.resize(size_t(2) * stages * kLevels * kDh);
     std::normal_distribution<float> nd(0.f, 1.f);
-    for (auto& v : book) v = bf16_bits(nd(g));
+    for (auto& v : book) v = tiermoe::f32_to_bf16(nd(g));
     theta.resize(kPairs);
     for (int i = 0; i < kPairs; ++i) theta[size_t(i)] = float(std::pow(1.0e4, -2.0 * i / kDh));
     // U: a random orthonormal basis (Gram-Schmidt on Gaussian rows), as BF16.
@@ -381,7 +363,7 @@ struct HostCoded {
     }
     ut.resize(size_t(kDh) * kDh);
     for (int d = 0; d < kDh; ++d)
-      for (int r = 0; r < kDh; ++r) ut[size_t(d) * kDh + r] = bf16_bits(float(U[size_t(r) * kDh + d]));
+      for (int r = 0; r < kDh; ++r) ut[size_t(d) * kDh + r] = tiermoe::f32_to_bf16(float(U[size_t(r) * kDh + d]));
   }
   void fill_tiles(size_t n, std::mt19937& g) {
     tiles.assign(n * tile_bytes, 0);
@@ -391,7 +373,7 @@ struct HostCoded {
       uint8_t* p = tiles.data() + t * tile_bytes;
       for (int o = 0; o < norm_off; ++o) p[o] = uint8_t(byte(g));  // any code is a valid level
       for (int k = 0; k < 2 * kTileKeys; ++k) {
-        const uint16_t b = bf16_bits(nrm(g));
+        const uint16_t b = tiermoe::f32_to_bf16(nrm(g));
         std::memcpy(p + norm_off + 2 * k, &b, 2);
       }
     }
@@ -418,8 +400,8 @@ struct HostCoded {
         for (int c = 0; c < kDh; ++c) {
           double v = 0;
           for (int s = 0; s < stages; ++s)
-            v += bf16_value(book[size_t(((kv * stages + s) * kLevels + code(p, kv, s, c, j)) * kDh + c)]);
-          y[c] = v * bf16_value(nb);
+            v += tiermoe::bf16_to_f32(book[size_t(((kv * stages + s) * kLevels + code(p, kv, s, c, j)) * kDh + c)]);
+          y[c] = v * tiermoe::bf16_to_f32(nb);
         }
         double* o = out.data() + (size_t(kv) * kTileKeys + j) * kDh;
         if (kv == 0 && turn) {
@@ -430,10 +412,10 @@ struct HostCoded {
           }
         } else if (kv == 0 && dense) {
           // The device rounds y to BF16 before the product: so does this reference.
-          for (int c = 0; c < kDh; ++c) y[c] = bf16_value(bf16_bits(float(y[c])));
+          for (int c = 0; c < kDh; ++c) y[c] = tiermoe::bf16_to_f32(tiermoe::f32_to_bf16(float(y[c])));
           for (int d = 0; d < kDh; ++d) {
             double x = 0;
-            for (int r = 0; r < kDh; ++r) x += y[r] * bf16_value(ut[size_t(d) * kDh + r]);
+            for (int r = 0; r < kDh; ++r) x += y[r] * tiermoe::bf16_to_f32(ut[size_t(d) * kDh + r]);
             o[d] = x;
           }
         } else {
@@ -502,7 +484,7 @@ std::vector<uint8_t> fp8_tiles(size_t n, std::mt19937& g, std::vector<double>* w
     tiermoe::fp8_quantize_rows(x.data(), 2 * kTileKeys, kDh, p, e);
     if (!want) continue;
     tiermoe::fp8_dequantize_rows(p, e, 2 * kTileKeys, kDh, bits.data());
-    for (size_t i = 0; i < x.size(); ++i) (*want)[t * x.size() + i] = bf16_value(bits[i]);
+    for (size_t i = 0; i < x.size(); ++i) (*want)[t * x.size() + i] = tiermoe::bf16_to_f32(bits[i]);
   }
   return tiles;
 }
@@ -521,11 +503,11 @@ int check_forms(int* failures) {
       if (f == Form::bf16) {
         std::normal_distribution<float> nd(0.f, 1.f);
         std::vector<uint16_t> bf(n * tile_values);
-        for (auto& v : bf) v = bf16_bits(nd(g));
+        for (auto& v : bf) v = tiermoe::f32_to_bf16(nd(g));
         h.tile_bytes = int(tile_values * 2);
         h.tiles.resize(bf.size() * 2);
         std::memcpy(h.tiles.data(), bf.data(), h.tiles.size());
-        for (uint16_t v : bf) want_all.push_back(bf16_value(v));
+        for (uint16_t v : bf) want_all.push_back(tiermoe::bf16_to_f32(v));
       } else if (f == Form::fp8) {
         h.tile_bytes = kFp8TileBytes;
         h.tiles = fp8_tiles(n, g, &want_all);
@@ -555,7 +537,7 @@ int check_forms(int* failures) {
           else
             want.assign(want_all.begin() + long(tile * tile_values), want_all.begin() + long((tile + 1) * tile_values));
           for (size_t e = 0; e < tile_values; ++e)
-            worst = std::max(worst, std::fabs(bf16_value(got[tile * tile_values + e]) - want[e]) / std::max(std::fabs(want[e]), 1.0));
+            worst = std::max(worst, std::fabs(tiermoe::bf16_to_f32(got[tile * tile_values + e]) - want[e]) / std::max(std::fabs(want[e]), 1.0));
         }
       // bf16, fp8: bit for bit; coded: BF16 rounding (2^-9) and the turn's running angles; dense: the
       // product's FP32 sums of BF16 inputs, rounded to BF16.
