@@ -11,7 +11,11 @@
 // key decodes to its basis coordinates and is turned by its position's angles pair by pair (the
 // query is brought into the basis once); dense: the same codes without the turn, the keys
 // unrotated by an mma.sync product with a Dh x Dh basis (PCA keys, `default`'s form). Values stay
-// in their basis in both (summed there, unrotated once per query head). Per
+// in their basis in both (summed there, unrotated once per query head). nibbles: pairs with every code
+// 4 bits (one stage; no bit reader) and the byte of pair i (low nibble channel i, high i + 64) of
+// 16 tokens together, FP32 levels, each pair's two values stored side by side as one word (the
+// stage's channels permuted so: the query gets the same permutation once, values come back by it
+// once per head): the instructions a value needs as few as the format allows. Per
 // channel c and stage s: b_sc bits (allocated, 0 .. 4), a codebook of 2^b_sc BF16 levels in shared
 // memory, one BF16 norm per token and K or V; the stages' levels are added, as VqCodec::decode does.
 // A tile's bytes (one KV head, kTileKeys keys): K codes, stage by stage and channel by channel, each
@@ -56,7 +60,12 @@ struct CodedLayout {
   const bf16* book;       // [2][stages][kLevels][kDh]
   const float2* angle0;   // [positions / 32][kPairs]: (cos, sin) of p theta_i at p = 32 m
   const float2* step;     // [kPairs]: (cos, sin) of theta_i
+  const float* lut;       // nibbles: [2][kLevels][kDh], stage 0's codebooks in FP32
 };
+
+// The nibbles form's tile: K codes [4 chunks of 16 tokens][kPairs][16 bytes] (byte: low nibble channel
+// i, high i + 64), then V's, then the norms [2][kTileKeys] BF16.
+constexpr int kNibCodeBytes = kTileKeys * kPairs, kNibNormOff = 2 * kNibCodeBytes, kNibTileBytes = kNibNormOff + 4 * kTileKeys;
 
 // The codes of one channel's 32 tokens (b bits each, from the 4-byte aligned p), one at a time.
 struct BitReader {
@@ -138,6 +147,39 @@ __device__ __forceinline__ void decode_tile(const uint8_t* raw, bf16* ks, bf16* 
   }
 }
 
+// The nibbles form's raw tile into stage ks / vs: thread t the pair i = t % 64 of tokens 32 h .. 32 h + 31,
+// h = t / 64; stage column 2 i holds channel i, 2 i + 1 channel i + 64.
+__device__ __forceinline__ void decode_nibbles(const uint8_t* raw, bf16* ks, bf16* vs, const CodedLayout& L,
+                                               const float* lut, int p0) {
+  const int i = threadIdx.x % kPairs, h = threadIdx.x / kPairs;
+  const bf16* norms = reinterpret_cast<const bf16*>(raw + kNibNormOff);
+  float2 a = L.angle0[(p0 + 32 * h) / 32 * kPairs + i];
+  const float2 st = L.step[i];
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv) {
+    const float* lo = lut + kv * kLevels * kDh + i;
+    uint32_t* dst = reinterpret_cast<uint32_t*>((kv ? vs : ks) + 32 * h * kLd) + i;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const uint4 w = *reinterpret_cast<const uint4*>(raw + kv * kNibCodeBytes + ((2 * h + q) * kPairs + i) * 16);
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        const uint32_t byte = words[jj / 4] >> (8 * (jj % 4));
+        const float n = __bfloat162float(norms[kv * kTileKeys + 32 * h + 16 * q + jj]);
+        float y0 = lo[(byte & 15) * kDh] * n, y1 = lo[((byte >> 4) & 15) * kDh + kPairs] * n;
+        if (kv == 0) {  // turned as decode_tile's keys
+          const float x0 = y0;
+          y0 = fmaf(x0, a.x, -y1 * a.y);
+          y1 = fmaf(y1, a.x, x0 * a.y);
+          a = make_float2(fmaf(a.x, st.x, -a.y * st.y), fmaf(a.y, st.x, a.x * st.y));
+        }
+        dst[(16 * q + jj) * (kLd / 2)] = cu::pack(__float2bfloat16(y0), __float2bfloat16(y1));
+      }
+    }
+  }
+}
+
 // Keys of a stage unrotated in place by the basis: K[64, Dh] = Y[64, Dh] U (x = U^T y), on mma.sync
 // m16n8k16; ut: U^T in shared memory [kDh][kLd] (row d: U[., d]). Warp w: rows 16 w .. 16 w + 15.
 __device__ __forceinline__ void unrotate_keys(bf16* ks, const bf16* ut) {
@@ -163,7 +205,7 @@ __device__ __forceinline__ void unrotate_keys(bf16* ks, const bf16* ut) {
   }
 }
 
-enum class Form { bf16, fp8, pairs, dense };
+enum class Form { bf16, fp8, pairs, dense, nibbles };
 constexpr int kFp8TileBytes = 2 * kTileKeys * kDh + 2 * kTileKeys;  // codes, then exponents (a multiple of 16)
 
 // An FP8 tile (codes [2][64][kDh], exponents [2][64]) into stage ks / vs: 8 codes a conversion.
@@ -200,7 +242,8 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
   bf16* vs = ks + 2 * kTileKeys * kLd;
   bf16* sbook = vs + 2 * kTileKeys * kLd;  // coded: [2][stages][kLevels][kDh], as L.book
   constexpr bool kBooks = F == Form::pairs || F == Form::dense;
-  uint8_t* raw = reinterpret_cast<uint8_t*>(sbook + (kBooks ? 2 * kMaxStages * kLevels * kDh : 0));
+  float* slut = reinterpret_cast<float*>(sbook);  // nibbles: [2][kLevels][kDh], as L.lut
+  uint8_t* raw = reinterpret_cast<uint8_t*>(sbook + (kBooks ? 2 * kMaxStages * kLevels * kDh : F == Form::nibbles ? 4 * kLevels * kDh : 0));
   bf16* ut = reinterpret_cast<bf16*>(raw + (F == Form::bf16 ? 0 : kSets * L.tile_bytes));  // dense: U^T
   const int p_first = (blockIdx.x % per_head) * n_tiles * kTileKeys;
   const uint8_t* tiles = src + size_t(blockIdx.x) * n_tiles * L.tile_bytes;
@@ -228,6 +271,8 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
   } else {
     if constexpr (kBooks)
       for (int o = threadIdx.x; o < 2 * L.stages * kLevels * kDh / 8; o += kThreads) cu::cp_async16(sbook + 8 * o, L.book + 8 * o, true);
+    if constexpr (F == Form::nibbles)
+      for (int o = threadIdx.x; o < 2 * kLevels * kDh / 4; o += kThreads) cu::cp_async16(slut + 4 * o, L.lut + 4 * o, true);
     if constexpr (F == Form::dense)
       for (int o = threadIdx.x; o < kDh * kDh / 8; o += kThreads)
         cu::cp_async16(ut + (o / (kDh / 8)) * kLd + 8 * (o % (kDh / 8)), ut_g + 8 * o, true);
@@ -241,6 +286,7 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
     auto decode = [&](int t) {  // tile t (its raw set complete and seen) into stage t & 1
       bf16 *k = ks + (t & 1) * kTileKeys * kLd, *v = vs + (t & 1) * kTileKeys * kLd;
       if constexpr (F == Form::fp8) decode_fp8_tile(raw + (t % kSets) * L.tile_bytes, k, v);
+      else if constexpr (F == Form::nibbles) decode_nibbles(raw + (t % kSets) * L.tile_bytes, k, v, L, slut, p_first + t * kTileKeys);
       else decode_tile<F == Form::pairs>(raw + (t % kSets) * L.tile_bytes, k, v, L, tc, sbook, p_first + t * kTileKeys);
       if constexpr (F == Form::dense) {
         __syncthreads();
@@ -266,7 +312,8 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
 
 size_t smem_of(Form f, int tile_bytes) {
   if (f == Form::bf16) return kStageBytes;
-  const size_t books = f == Form::fp8 ? 0 : size_t(2) * kMaxStages * kLevels * kDh * sizeof(bf16);
+  const size_t books = f == Form::fp8 ? 0 : f == Form::nibbles ? size_t(2) * kLevels * kDh * sizeof(float)
+                                           : size_t(2) * kMaxStages * kLevels * kDh * sizeof(bf16);
   return kStageBytes + books + size_t(kSets) * tile_bytes + (f == Form::dense ? size_t(kDh) * kLd * sizeof(bf16) : 0);
 }
 
@@ -295,6 +342,7 @@ int blocks_per_sm(Form f, int tile_bytes) {
     case Form::bf16: return occupancy_of<Form::bf16>(tile_bytes);
     case Form::fp8: return occupancy_of<Form::fp8>(tile_bytes);
     case Form::pairs: return occupancy_of<Form::pairs>(tile_bytes);
+    case Form::nibbles: return occupancy_of<Form::nibbles>(tile_bytes);
     default: return occupancy_of<Form::dense>(tile_bytes);
   }
 }
@@ -308,6 +356,8 @@ cudaError_t launch_form(Form f, bool dump, int blocks, const uint8_t* src, const
                                 : launch<Form::fp8, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
     case Form::pairs: return dump ? launch<Form::pairs, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
                                   : launch<Form::pairs, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
+    case Form::nibbles: return dump ? launch<Form::nibbles, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
+                                    : launch<Form::nibbles, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
     default: return dump ? launch<Form::dense, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
                          : launch<Form::dense, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
   }
@@ -425,6 +475,31 @@ struct HostCoded {
   }
 };
 
+// A nibbles tile's decoded rows in double, in the stage's permuted columns: out[2][64][kDh], column
+// 2 i channel i, 2 i + 1 channel i + 64 (keys turned by position p0 + j); levels from h's stage 0.
+void decode_nibbles_host(const HostCoded& h, const uint8_t* p, int p0, std::vector<double>& out) {
+  out.assign(size_t(2) * kTileKeys * kDh, 0.0);
+  for (int kv = 0; kv < 2; ++kv)
+    for (int j = 0; j < kTileKeys; ++j) {
+      uint16_t nb;
+      std::memcpy(&nb, p + kNibNormOff + 2 * (kv * kTileKeys + j), 2);
+      for (int i = 0; i < kPairs; ++i) {
+        const uint8_t byte = p[kv * kNibCodeBytes + ((j / 16) * kPairs + i) * 16 + j % 16];
+        double y[2];
+        for (int c = 0; c < 2; ++c)
+          y[c] = tiermoe::bf16_to_f32(h.book[size_t((kv * h.stages * kLevels + (c ? byte >> 4 : byte & 15)) * kDh + i + kPairs * c)]) *
+                 tiermoe::bf16_to_f32(nb);
+        double* o = out.data() + (size_t(kv) * kTileKeys + j) * kDh + 2 * i;
+        if (kv == 0) {
+          const double a = double(p0 + j) * h.theta[size_t(i)], cs = std::cos(a), sn = std::sin(a);
+          o[0] = y[0] * cs - y[1] * sn, o[1] = y[1] * cs + y[0] * sn;
+        } else {
+          o[0] = y[0], o[1] = y[1];
+        }
+      }
+    }
+}
+
 template <class T>
 struct Dev {
   T* p = nullptr;
@@ -442,6 +517,7 @@ struct DevCoded {
   Dev<bf16> book;
   Dev<float2> angle0, step;
   Dev<bf16> ut;
+  Dev<float> lut;
   CodedLayout L;
   cudaError_t up(const HostCoded& h, int positions) {
     std::vector<float2> a0(size_t((positions + 31) / 32) * kPairs), st(kPairs);
@@ -460,13 +536,18 @@ struct DevCoded {
     if (e == cudaSuccess) e = angle0.up(a0);
     if (e == cudaSuccess) e = step.up(st);
     if (e == cudaSuccess) e = ut.up(ub);
-    L = {h.stages, h.tile_bytes, h.norm_off, off.p, bits.p, book.p, angle0.p, step.p};
+    std::vector<float> lf(size_t(2) * kLevels * kDh);  // stage 0's levels of K and V
+    for (int kv = 0; kv < 2; ++kv)
+      for (int l = 0; l < kLevels * kDh; ++l)
+        lf[size_t(kv * kLevels * kDh + l)] = tiermoe::bf16_to_f32(h.book[size_t(kv * h.stages * kLevels * kDh + l)]);
+    if (e == cudaSuccess) e = lut.up(lf);
+    L = {h.stages, h.tile_bytes, h.norm_off, off.p, bits.p, book.p, angle0.p, step.p, lut.p};
     return e;
   }
 };
 
 const char* form_name(Form f) {
-  return f == Form::bf16 ? "bf16" : f == Form::fp8 ? "fp8" : f == Form::pairs ? "pairs" : "dense";
+  return f == Form::bf16 ? "bf16" : f == Form::fp8 ? "fp8" : f == Form::pairs ? "pairs" : f == Form::dense ? "dense" : "nibbles";
 }
 
 // n FP8 tiles of random rows (fp8_quantize_rows: valid codes and exponents); want (optional): their
@@ -496,8 +577,8 @@ int check_forms(int* failures) {
   const int per_head = 3, heads = 2, n_tiles = 3, blocks = heads * per_head, positions = per_head * n_tiles * kTileKeys;
   const size_t n = size_t(blocks) * n_tiles, tile_values = size_t(2) * kTileKeys * kDh;
   for (int stages = 1; stages <= kMaxStages; ++stages)
-    for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense}) {
-      if ((f == Form::bf16 || f == Form::fp8) && stages > 1) continue;
+    for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense, Form::nibbles}) {
+      if ((f == Form::bf16 || f == Form::fp8 || f == Form::nibbles) && stages > 1) continue;
       HostCoded h(stages, 3.0, 2.0, g);
       std::vector<double> want_all;  // bf16, fp8: every tile's values, [n][2][64][kDh]
       if (f == Form::bf16) {
@@ -512,6 +593,7 @@ int check_forms(int* failures) {
         h.tile_bytes = kFp8TileBytes;
         h.tiles = fp8_tiles(n, g, &want_all);
       } else {
+        if (f == Form::nibbles) h.norm_off = kNibNormOff, h.tile_bytes = kNibTileBytes;
         h.fill_tiles(n, g);
       }
       DevCoded d;
@@ -531,7 +613,9 @@ int check_forms(int* failures) {
       for (int b = 0; b < blocks; ++b)
         for (int t = 0; t < n_tiles; ++t) {
           const size_t tile = size_t(b) * n_tiles + t;
-          if (want_all.empty())
+          if (f == Form::nibbles)
+            decode_nibbles_host(h, h.tiles.data() + tile * h.tile_bytes, (b % per_head) * n_tiles * kTileKeys + t * kTileKeys, want);
+          else if (want_all.empty())
             h.decode(h.tiles.data() + tile * h.tile_bytes, (b % per_head) * n_tiles * kTileKeys + t * kTileKeys,
                      f == Form::pairs, f == Form::dense, want);
           else
@@ -571,12 +655,13 @@ int coded_tile_main() {
   for (const Shape& sh : {Shape{"qwen3-4096", 4, 4096}, Shape{"olmoe-4096", 16, 4096}, Shape{"qwen3-32768", 4, 32768},
                           Shape{"olmoe-32768", 16, 32768}})
     for (int stages = 1; stages <= kMaxStages; ++stages)
-      for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense}) {
-        if ((f == Form::bf16 || f == Form::fp8) && stages > 1) continue;
+      for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense, Form::nibbles}) {
+        if ((f == Form::bf16 || f == Form::fp8 || f == Form::nibbles) && stages > 1) continue;
         const int n_tiles = 4, per_head = sh.keys / (n_tiles * kTileKeys), blocks = sh.heads * per_head;
         HostCoded h(stages, 4.0, 1.75, g);
         if (f == Form::bf16) h.tile_bytes = 2 * kTileKeys * kDh * 2;
         if (f == Form::fp8) h.tile_bytes = kFp8TileBytes;
+        if (f == Form::nibbles) h.norm_off = kNibNormOff, h.tile_bytes = kNibTileBytes;
         const size_t set_bytes = size_t(blocks) * n_tiles * h.tile_bytes;
         const int copies = int(std::max<size_t>(1, (size_t(256) << 20) / set_bytes));
         if (f == Form::fp8) h.tiles = fp8_tiles(size_t(blocks) * n_tiles, g, nullptr);
