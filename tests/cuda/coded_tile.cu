@@ -634,7 +634,8 @@ int check_forms(int* failures) {
 
 }  // namespace
 
-// Timing: for each shape (KV heads, keys, splits of 256 keys per block: the batch-1 decode's grid)
+// Timing: for each shape (KV heads, keys, and 256 keys a block as 4 splits per 1024 keys, or 1024 as
+// the cap of a block per SM gives at 32k keys: the batch-1 decode's grids)
 // and form, the loader kernel over copies of the tiles enough to leave L2 behind, median of 7
 // rounds of 20 launches; JSON lines.
 int coded_tile_main() {
@@ -642,7 +643,7 @@ int coded_tile_main() {
   if (check_forms(&failures)) return 1;
   struct Shape {
     const char* name;
-    int heads, keys;
+    int heads, keys, n_tiles;  // n_tiles 64-key tiles a block: 4 as 4 splits per 1024 keys, 16 as the split cap at 32k
   };
   std::mt19937 g(11);
   cudaStream_t s;
@@ -652,12 +653,13 @@ int coded_tile_main() {
   LK(cudaEventCreate(&e1));
   // K / V bits per value: `default`'s middle tier with rope_pairs keys at the bits that match its KL
   // (docs/kv_codecs.md: stage_bits [2.75, 1.25] keys, [1.25, 0.5] values), and one stage of each.
-  for (const Shape& sh : {Shape{"qwen3-4096", 4, 4096}, Shape{"olmoe-4096", 16, 4096}, Shape{"qwen3-32768", 4, 32768},
-                          Shape{"olmoe-32768", 16, 32768}})
+  for (const Shape& sh : {Shape{"qwen3-4096", 4, 4096, 4}, Shape{"olmoe-4096", 16, 4096, 4}, Shape{"qwen3-32768", 4, 32768, 4},
+                          Shape{"olmoe-32768", 16, 32768, 4}, Shape{"qwen3-32768-1k", 4, 32768, 16},
+                          Shape{"olmoe-32768-1k", 16, 32768, 16}})
     for (int stages = 1; stages <= kMaxStages; ++stages)
       for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense, Form::nibbles}) {
         if ((f == Form::bf16 || f == Form::fp8 || f == Form::nibbles) && stages > 1) continue;
-        const int n_tiles = 4, per_head = sh.keys / (n_tiles * kTileKeys), blocks = sh.heads * per_head;
+        const int n_tiles = sh.n_tiles, per_head = sh.keys / (n_tiles * kTileKeys), blocks = sh.heads * per_head;
         HostCoded h(stages, 4.0, 1.75, g);
         if (f == Form::bf16) h.tile_bytes = 2 * kTileKeys * kDh * 2;
         if (f == Form::fp8) h.tile_bytes = kFp8TileBytes;
@@ -696,10 +698,10 @@ int coded_tile_main() {
         LK(cudaGraphDestroy(graph));
         std::sort(per_launch.begin(), per_launch.end());
         const float us = per_launch[per_launch.size() / 2];
-        std::printf("{\"probe\": \"codedtile\", \"shape\": \"%s\", \"form\": \"%s\", \"stages\": %d, \"blocks\": %d, "
+        std::printf("{\"probe\": \"codedtile\", \"shape\": \"%s\", \"form\": \"%s\", \"stages\": %d, \"blocks\": %d, \"keys_per_block\": %d, "
                     "\"blocks_per_sm\": %d, \"tile_bytes\": %d, \"us_per_launch\": %.2f, \"bytes_gb_per_s\": %.0f, "
                     "\"keys_per_us_per_head\": %.0f}\n",
-                    sh.name, form_name(f), f == Form::bf16 || f == Form::fp8 ? 0 : stages, blocks,
+                    sh.name, form_name(f), f == Form::bf16 || f == Form::fp8 ? 0 : stages, blocks, n_tiles * kTileKeys,
                     blocks_per_sm(f, h.tile_bytes), h.tile_bytes, us, double(set_bytes) / us / 1e3, double(sh.keys) / us);
       }
   std::printf("codedtile: %d check failures\n", failures);
