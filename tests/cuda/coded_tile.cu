@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -207,6 +208,13 @@ __device__ __forceinline__ void unrotate_keys(bf16* ks, const bf16* ut) {
 
 enum class Form { bf16, fp8, pairs, dense, nibbles };
 constexpr int kFp8TileBytes = 2 * kTileKeys * kDh + 2 * kTileKeys;  // codes, then exponents (a multiple of 16)
+// A form's codebooks in shared memory, after the stages: the allocated codes' BF16 levels (pairs,
+// dense), the nibbles' FP32 levels, or none.
+__host__ __device__ constexpr size_t book_bytes(Form f) {
+  return f == Form::pairs || f == Form::dense ? size_t(2) * kMaxStages * kLevels * kDh * sizeof(bf16)
+         : f == Form::nibbles                 ? size_t(2) * kLevels * kDh * sizeof(float)
+                                              : 0;
+}
 
 // An FP8 tile (codes [2][64][kDh], exponents [2][64]) into stage ks / vs: 8 codes a conversion.
 __device__ __forceinline__ void decode_fp8_tile(const uint8_t* raw, bf16* ks, bf16* vs) {
@@ -243,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
   bf16* sbook = vs + 2 * kTileKeys * kLd;  // coded: [2][stages][kLevels][kDh], as L.book
   constexpr bool kBooks = F == Form::pairs || F == Form::dense;
   float* slut = reinterpret_cast<float*>(sbook);  // nibbles: [2][kLevels][kDh], as L.lut
-  uint8_t* raw = reinterpret_cast<uint8_t*>(sbook + (kBooks ? 2 * kMaxStages * kLevels * kDh : F == Form::nibbles ? 4 * kLevels * kDh : 0));
+  uint8_t* raw = reinterpret_cast<uint8_t*>(sbook) + book_bytes(F);
   bf16* ut = reinterpret_cast<bf16*>(raw + (F == Form::bf16 ? 0 : kSets * L.tile_bytes));  // dense: U^T
   const int p_first = (blockIdx.x % per_head) * n_tiles * kTileKeys;
   const uint8_t* tiles = src + size_t(blockIdx.x) * n_tiles * L.tile_bytes;
@@ -312,9 +320,7 @@ __global__ void __launch_bounds__(kThreads) loader_kernel(const uint8_t* __restr
 
 size_t smem_of(Form f, int tile_bytes) {
   if (f == Form::bf16) return kStageBytes;
-  const size_t books = f == Form::fp8 ? 0 : f == Form::nibbles ? size_t(2) * kLevels * kDh * sizeof(float)
-                                           : size_t(2) * kMaxStages * kLevels * kDh * sizeof(bf16);
-  return kStageBytes + books + size_t(kSets) * tile_bytes + (f == Form::dense ? size_t(kDh) * kLd * sizeof(bf16) : 0);
+  return kStageBytes + book_bytes(f) + size_t(kSets) * tile_bytes + (f == Form::dense ? size_t(kDh) * kLd * sizeof(bf16) : 0);
 }
 
 template <Form F, bool DUMP>
@@ -331,36 +337,34 @@ cudaError_t launch(int blocks, const uint8_t* src, const CodedLayout& L, int n_t
   return cudaGetLastError();
 }
 
-template <Form F>
-int occupancy_of(int tile_bytes) {  // resident blocks per SM at this form's shared memory
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, loader_kernel<F, false>, kThreads, smem_of(F, tile_bytes));
-  return n;
-}
-int blocks_per_sm(Form f, int tile_bytes) {
+// fn(std::integral_constant<Form, f>{}): the runtime form as the kernel template's argument.
+template <class Fn>
+auto with_form(Form f, Fn&& fn) {
   switch (f) {
-    case Form::bf16: return occupancy_of<Form::bf16>(tile_bytes);
-    case Form::fp8: return occupancy_of<Form::fp8>(tile_bytes);
-    case Form::pairs: return occupancy_of<Form::pairs>(tile_bytes);
-    case Form::nibbles: return occupancy_of<Form::nibbles>(tile_bytes);
-    default: return occupancy_of<Form::dense>(tile_bytes);
+    case Form::bf16: return fn(std::integral_constant<Form, Form::bf16>{});
+    case Form::fp8: return fn(std::integral_constant<Form, Form::fp8>{});
+    case Form::pairs: return fn(std::integral_constant<Form, Form::pairs>{});
+    case Form::dense: return fn(std::integral_constant<Form, Form::dense>{});
+    case Form::nibbles: break;
   }
+  return fn(std::integral_constant<Form, Form::nibbles>{});
+}
+
+int blocks_per_sm(Form f, int tile_bytes) {  // resident blocks per SM at this form's shared memory
+  return with_form(f, [&](auto form) {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, loader_kernel<decltype(form)::value, false>, kThreads, smem_of(f, tile_bytes));
+    return n;
+  });
 }
 
 cudaError_t launch_form(Form f, bool dump, int blocks, const uint8_t* src, const CodedLayout& L, int n_tiles, int per_head,
                         const bf16* ut, uint32_t* sum, uint4* out, cudaStream_t s) {
-  switch (f) {
-    case Form::bf16: return dump ? launch<Form::bf16, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
-                                 : launch<Form::bf16, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
-    case Form::fp8: return dump ? launch<Form::fp8, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
-                                : launch<Form::fp8, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
-    case Form::pairs: return dump ? launch<Form::pairs, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
-                                  : launch<Form::pairs, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
-    case Form::nibbles: return dump ? launch<Form::nibbles, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
-                                    : launch<Form::nibbles, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
-    default: return dump ? launch<Form::dense, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
-                         : launch<Form::dense, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
-  }
+  return with_form(f, [&](auto form) {
+    constexpr Form F = decltype(form)::value;
+    return dump ? launch<F, true>(blocks, src, L, n_tiles, per_head, ut, sum, out, s)
+                : launch<F, false>(blocks, src, L, n_tiles, per_head, ut, sum, out, s);
+  });
 }
 
 
@@ -546,6 +550,16 @@ struct DevCoded {
   }
 };
 
+// Forms with one stage of codes at most (the stages loop runs the others at 1 and 2).
+bool one_stage(Form f) { return f == Form::bf16 || f == Form::fp8 || f == Form::nibbles; }
+
+// h's tile size (and norms' offset) for form f, where f's tiles are not the allocated codes'.
+void set_tile_layout(HostCoded& h, Form f) {
+  if (f == Form::bf16) h.tile_bytes = 2 * kTileKeys * kDh * 2;
+  if (f == Form::fp8) h.tile_bytes = kFp8TileBytes;
+  if (f == Form::nibbles) h.norm_off = kNibNormOff, h.tile_bytes = kNibTileBytes;
+}
+
 const char* form_name(Form f) {
   return f == Form::bf16 ? "bf16" : f == Form::fp8 ? "fp8" : f == Form::pairs ? "pairs" : f == Form::dense ? "dense" : "nibbles";
 }
@@ -578,22 +592,20 @@ int check_forms(int* failures) {
   const size_t n = size_t(blocks) * n_tiles, tile_values = size_t(2) * kTileKeys * kDh;
   for (int stages = 1; stages <= kMaxStages; ++stages)
     for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense, Form::nibbles}) {
-      if ((f == Form::bf16 || f == Form::fp8 || f == Form::nibbles) && stages > 1) continue;
+      if (one_stage(f) && stages > 1) continue;
       HostCoded h(stages, 3.0, 2.0, g);
+      set_tile_layout(h, f);
       std::vector<double> want_all;  // bf16, fp8: every tile's values, [n][2][64][kDh]
       if (f == Form::bf16) {
         std::normal_distribution<float> nd(0.f, 1.f);
         std::vector<uint16_t> bf(n * tile_values);
         for (auto& v : bf) v = tiermoe::f32_to_bf16(nd(g));
-        h.tile_bytes = int(tile_values * 2);
         h.tiles.resize(bf.size() * 2);
         std::memcpy(h.tiles.data(), bf.data(), h.tiles.size());
         for (uint16_t v : bf) want_all.push_back(tiermoe::bf16_to_f32(v));
       } else if (f == Form::fp8) {
-        h.tile_bytes = kFp8TileBytes;
         h.tiles = fp8_tiles(n, g, &want_all);
       } else {
-        if (f == Form::nibbles) h.norm_off = kNibNormOff, h.tile_bytes = kNibTileBytes;
         h.fill_tiles(n, g);
       }
       DevCoded d;
@@ -658,12 +670,10 @@ int coded_tile_main() {
                           Shape{"olmoe-32768-1k", 16, 32768, 16}})
     for (int stages = 1; stages <= kMaxStages; ++stages)
       for (Form f : {Form::bf16, Form::fp8, Form::pairs, Form::dense, Form::nibbles}) {
-        if ((f == Form::bf16 || f == Form::fp8 || f == Form::nibbles) && stages > 1) continue;
+        if (one_stage(f) && stages > 1) continue;
         const int n_tiles = sh.n_tiles, per_head = sh.keys / (n_tiles * kTileKeys), blocks = sh.heads * per_head;
         HostCoded h(stages, 4.0, 1.75, g);
-        if (f == Form::bf16) h.tile_bytes = 2 * kTileKeys * kDh * 2;
-        if (f == Form::fp8) h.tile_bytes = kFp8TileBytes;
-        if (f == Form::nibbles) h.norm_off = kNibNormOff, h.tile_bytes = kNibTileBytes;
+        set_tile_layout(h, f);
         const size_t set_bytes = size_t(blocks) * n_tiles * h.tile_bytes;
         const int copies = int(std::max<size_t>(1, (size_t(256) << 20) / set_bytes));
         if (f == Form::fp8) h.tiles = fp8_tiles(size_t(blocks) * n_tiles, g, nullptr);
